@@ -1,0 +1,33 @@
+# The two commands a user needs: `make serve` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: install serve test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# Without a GPU, install the CPU build of torch first so nothing pulls a multi-GB CUDA build.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"; \
+	fi
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: install
+	HOST=$(HOST) PORT=$(PORT) $(PY) -m app serve --host $(HOST) --port $(PORT)
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) -m evals.bench_forward
+
+clean:
+	rm -rf $(VENV) .pytest_cache

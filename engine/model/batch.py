@@ -1,0 +1,54 @@
+"""What one forward step receives: the flattened tokens of every scheduled sequence and,
+per KV-cache group, where their keys and values live in the paged cache.
+
+A step may mix prefill chunks and single-token decodes of many sequences. Tokens are laid
+out sequence after sequence: sequence i owns rows query_start[i]:query_start[i+1].
+
+Keys are described by slot (block * block_size + offset) *and* position, so a sequence's
+cache need not be contiguous: sliding-window layers drop blocks that fell out of the
+window and per-session eviction drops blocks from the middle; the masks are built from
+positions, never from slot order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class GroupAttention:
+    """Paged-cache addressing for one cache group (all layers that share block tables).
+
+    slot_mapping: [T] where each new token's K/V is written (-1: do not store).
+    key_slots:    [B, K] slots each sequence attends to, padded (padding points at slot 0).
+    key_positions:[B, K] position of each key; padding holds -1.
+    key_valid:    [B, K] False on padding.
+    The new tokens of this step are already included in key_slots (they are written
+    before attention reads the cache).
+    """
+
+    slot_mapping: torch.Tensor
+    key_slots: torch.Tensor
+    key_positions: torch.Tensor
+    key_valid: torch.Tensor
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long, absolute position of each token in its sequence
+    query_start: list[int]  # B+1 offsets into the T rows
+    groups: dict[str, GroupAttention]  # cache group name -> addressing ("full", "sliding")
+    logits_indices: torch.Tensor  # [N] rows whose next-token logits are wanted
+    # Set when an eviction policy needs the attention mass each key received (h2o).
+    collect_attention: bool = False
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_start) - 1
+
+    @property
+    def query_lens(self) -> list[int]:
+        return [b - a for a, b in zip(self.query_start, self.query_start[1:])]
