@@ -1,0 +1,56 @@
+"""Server settings from environment variables and an optional `.env` file (env wins)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+from dotenv import dotenv_values
+
+
+class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    MODEL_NAME: str = "gemma-3-270m"
+    BACKEND: Literal["custom", "hf"] = "custom"
+    DEVICE: Literal["cuda", "mps", "cpu"] | None = None  # None: auto-detect
+    DTYPE: Literal["float32", "bfloat16", "float16"] | None = None  # None: by device
+    MAX_BATCH_SIZE: int = 32
+    MAX_ACTIVE_KV_TOKENS: int | None = None  # None: sized from memory
+    KV_BLOCK_SIZE: int = 16
+    MAX_QUEUE_LEN: int = 256
+    MAX_NUM_BATCHED_TOKENS: int = 512  # per-step token budget (prefill chunks + decodes)
+    SCHEDULING_POLICY: Literal["fcfs", "vtc"] = "vtc"
+    EVICTION_POLICY: Literal["none", "lru", "sink", "h2o"] = "none"
+    SESSION_KV_TOKENS: int = 1024  # a session's KV budget when an eviction policy is on
+    PREFIX_CACHING: bool = True
+    API_KEYS: str = ""  # comma-separated keys or name:key pairs; empty: no auth
+    HOST: str = "127.0.0.1"
+    PORT: int = 8000
+    LOG_FORMAT: Literal["console", "json"] = "console"
+    MAX_BODY_BYTES: int = 1_000_000
+    SHUTDOWN_GRACE_S: float = 10.0
+
+    @property
+    def api_keys(self) -> dict[str, str]:
+        """key -> tenant name ("name:key" names the tenant; a bare key is its own name)."""
+        keys: dict[str, str] = {}
+        for item in filter(None, (part.strip() for part in self.API_KEYS.split(","))):
+            name, sep, key = item.partition(":")
+            keys[key if sep else name] = name
+        return keys
+
+
+def load_settings(env_file: str | Path = ".env", **overrides: object) -> Settings:
+    """Settings from `.env` (if present), then the process environment, then `overrides`."""
+    names = set(Settings.__struct_fields__)
+    raw: dict[str, object] = {}
+    if Path(env_file).is_file():
+        raw.update({k: v for k, v in dotenv_values(env_file).items() if k in names and v != ""})
+    raw.update({k: v for k, v in os.environ.items() if k in names and v != ""})
+    raw.update(overrides)
+    try:
+        # strict=False lets msgspec turn "32" into 32 and "true" into True.
+        return msgspec.convert(raw, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"invalid setting: {exc}") from exc

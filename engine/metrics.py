@@ -1,0 +1,204 @@
+"""Serving metrics: sliding-window latency percentiles for the dashboard and a Prometheus
+registry for operators.
+
+Prometheus names follow vLLM's under our own prefix (`gemma_serve:` instead of `vllm:`), so an
+existing vLLM dashboard maps over with a rename.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PREFIX = "gemma_serve:"
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+)  # fmt: skip
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) of an already sorted list."""
+    if not sorted_values:
+        return 0.0
+    rank = (len(sorted_values) - 1) * q / 100.0
+    low = int(rank)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
+
+
+class SlidingWindow:
+    """Samples from the last `window_s` seconds; percentiles over what remains."""
+
+    def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        self.window_s = window_s
+        self._clock = clock
+        self._samples: deque[tuple[float, float]] = deque()
+
+    def add(self, value: float) -> None:
+        self._samples.append((self._clock(), value))
+
+    def _trim(self) -> None:
+        horizon = self._clock() - self.window_s
+        while self._samples and self._samples[0][0] < horizon:
+            self._samples.popleft()
+
+    def values(self) -> list[float]:
+        self._trim()
+        return [value for _, value in self._samples]
+
+    def summary(self) -> dict[str, float]:
+        values = sorted(self.values())
+        return {
+            "count": len(values),
+            "p50": percentile(values, 50),
+            "p95": percentile(values, 95),
+            "p99": percentile(values, 99),
+            "mean": sum(values) / len(values) if values else 0.0,
+        }
+
+    def total(self) -> float:
+        return sum(self.values())
+
+
+@dataclass
+class EngineGauges:
+    """What the engine reports about itself at one instant."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    prefix_queries: int
+    prefix_hits: int
+    preemptions: int
+    tenant_counters: dict[str, float]
+    tenant_tokens: dict[str, int]
+
+
+class ServingMetrics:
+    """Records request timings; exposes sliding windows and Prometheus collectors."""
+
+    def __init__(self, model_name: str, window_s: float = 60.0):
+        self.model_name = model_name
+        self.window_s = window_s
+        self.ttft = SlidingWindow(window_s)
+        self.tpot = SlidingWindow(window_s)
+        self.e2e = SlidingWindow(window_s)
+        self.generated = SlidingWindow(window_s)  # tokens per engine step, timestamped
+        self._started = time.monotonic()
+        self._lock = threading.Lock()
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self._ttft_hist = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time to first token.", labels,
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self._tpot_hist = Histogram(
+            PREFIX + "time_per_output_token_seconds", "Time per output token after the first.",
+            labels, buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self._e2e_hist = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "End-to-end request latency.", labels,
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self._prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens processed.", labels, registry=self.registry
+        )
+        self._generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Tokens generated.", labels, registry=self.registry
+        )
+        self._success = Counter(
+            PREFIX + "request_success", "Finished requests by finish reason.",
+            labels + ["finished_reason"], registry=self.registry,
+        )  # fmt: skip
+        self._running = Gauge(
+            PREFIX + "num_requests_running", "Requests in the running batch.", labels,
+            registry=self.registry,
+        )  # fmt: skip
+        self._waiting = Gauge(
+            PREFIX + "num_requests_waiting", "Requests waiting to be scheduled.", labels,
+            registry=self.registry,
+        )  # fmt: skip
+        self._kv_usage = Gauge(
+            PREFIX + "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", labels,
+            registry=self.registry,
+        )  # fmt: skip
+        self._prefix_queries = Gauge(
+            PREFIX + "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+            labels, registry=self.registry,
+        )  # fmt: skip
+        self._prefix_hits = Gauge(
+            PREFIX + "prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", labels,
+            registry=self.registry,
+        )  # fmt: skip
+        self._preemptions = Gauge(
+            PREFIX + "num_preemptions_total", "Sequences preempted for recompute.", labels,
+            registry=self.registry,
+        )  # fmt: skip
+        self._tenant_counter = Gauge(
+            PREFIX + "tenant_virtual_token_counter", "VTC virtual token counter per tenant.",
+            labels + ["tenant"], registry=self.registry,
+        )  # fmt: skip
+        self._tenant_tokens = Gauge(
+            PREFIX + "tenant_tokens_served_total", "Tokens served per tenant (prompt + output).",
+            labels + ["tenant"], registry=self.registry,
+        )  # fmt: skip
+
+    def record_first_token(self, seconds: float) -> None:
+        with self._lock:
+            self.ttft.add(seconds)
+        self._ttft_hist.labels(self.model_name).observe(seconds)
+
+    def record_finished(
+        self, *, e2e_s: float, ttft_s: float | None, prompt_tokens: int, output_tokens: int,
+        finish_reason: str,
+    ) -> None:  # fmt: skip
+        tpot = None
+        if ttft_s is not None and output_tokens > 1:
+            tpot = (e2e_s - ttft_s) / (output_tokens - 1)
+        with self._lock:
+            self.e2e.add(e2e_s)
+            if tpot is not None:
+                self.tpot.add(tpot)
+        name = self.model_name
+        self._e2e_hist.labels(name).observe(e2e_s)
+        if tpot is not None:
+            self._tpot_hist.labels(name).observe(tpot)
+        self._prompt_tokens.labels(name).inc(prompt_tokens)
+        self._success.labels(name, finish_reason).inc()
+
+    def record_generated(self, num_tokens: int) -> None:
+        with self._lock:
+            self.generated.add(num_tokens)
+        self._generation_tokens.labels(self.model_name).inc(num_tokens)
+
+    def update_gauges(self, gauges: EngineGauges) -> None:
+        name = self.model_name
+        self._running.labels(name).set(gauges.running)
+        self._waiting.labels(name).set(gauges.waiting)
+        self._kv_usage.labels(name).set(gauges.kv_usage)
+        self._prefix_queries.labels(name).set(gauges.prefix_queries)
+        self._prefix_hits.labels(name).set(gauges.prefix_hits)
+        self._preemptions.labels(name).set(gauges.preemptions)
+        for tenant, value in gauges.tenant_counters.items():
+            self._tenant_counter.labels(name, tenant).set(value)
+        for tenant, value in gauges.tenant_tokens.items():
+            self._tenant_tokens.labels(name, tenant).set(value)
+
+    def snapshot(self) -> dict:
+        """Sliding-window summary for the dashboard's JSON API."""
+        with self._lock:
+            span = min(self.window_s, max(time.monotonic() - self._started, 1e-9))
+            return {
+                "window_s": self.window_s,
+                "ttft_s": self.ttft.summary(),
+                "tpot_s": self.tpot.summary(),
+                "e2e_s": self.e2e.summary(),
+                "throughput_tokens_per_s": self.generated.total() / span,
+            }
+
