@@ -1,0 +1,359 @@
+"""Request bodies of the OpenAI endpoints we serve, decoded and validated with msgspec.
+
+Field names and ranges follow the OpenAI spec (CreateCompletionRequest,
+CreateChatCompletionRequest) plus vLLM's sampling extensions. As in vLLM, a field we do not
+know is a 400 naming it. A field we know but cannot honour (tools, images, audio, structured
+output, ...) is also a 400 naming it, unless its value asks for nothing (null, `"none"`, the
+default) - a request is never served while silently dropping what it asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from compat.errors import (
+    ApiError,
+    from_decode_error,
+    invalid_value,
+    unsupported_parameter,
+    unsupported_value,
+)
+
+TokenId = Annotated[int, Meta(ge=0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool | None = None
+    # OpenAI pads chunks against a side channel; we never add padding, so either value is fine.
+    include_obfuscation: bool | None = None
+
+
+class _SamplingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str
+    n: Annotated[int, Meta(ge=1, le=128)] | None = None
+    stop: str | list[str] | None = None
+    seed: Int64 | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    user: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    # vLLM extensions.
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    include_stop_str_in_output: bool | None = None
+    priority: int | None = None  # lower is more urgent
+    cache_salt: Annotated[str, Meta(min_length=1)] | None = None
+
+    @property
+    def is_stream(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+
+# --- /v1/completions ---------------------------------------------------------------------------
+
+Prompt = str | list[str | TokenId | list[TokenId]] | None
+
+
+class CompletionRequest(_SamplingRequest, kw_only=True, forbid_unknown_fields=True):
+    # Required but nullable in the spec; null means "from the start of a document" (just BOS).
+    prompt: Prompt
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: each a string or a list of token ids (checked at decode)."""
+        if self.prompt is None:
+            return [""]
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(p, int) for p in self.prompt):
+            return [list(self.prompt)]  # type: ignore[arg-type]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+
+def _check_completion(req: CompletionRequest) -> None:
+    if isinstance(req.prompt, list):
+        if not req.prompt:
+            raise invalid_value("prompt", "'prompt' must not be an empty list.")
+        kinds = {type(p) for p in req.prompt}
+        if len(kinds) > 1:
+            raise invalid_value(
+                "prompt",
+                "'prompt' must be a string, a list of strings, a list of token ids "
+                "or a list of lists of token ids, not a mix.",
+            )
+        for i, p in enumerate(req.prompt):
+            if isinstance(p, list) and not p:
+                raise invalid_value(f"prompt[{i}]", f"'prompt[{i}]' must not be an empty list.")
+    if req.suffix is not None:
+        raise unsupported_parameter("suffix", "insertion (fill-in-the-middle) is not available.")
+    if req.best_of is not None and req.best_of != req.num_choices:
+        raise unsupported_value(
+            "best_of",
+            req.best_of,
+            f"best_of must equal n ({req.num_choices}); candidates are not ranked server-side.",
+        )
+    if req.echo and req.logprobs is not None:
+        raise unsupported_parameter(
+            "echo", "echo cannot be combined with logprobs: prompt logprobs are not computed."
+        )
+
+
+# --- /v1/chat/completions ----------------------------------------------------------------------
+
+
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
+    """One element of a message's `content` list. Only text parts are served; the other
+    OpenAI part kinds are declared so that they are refused by name, not as unknown."""
+
+    type: str
+    text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+    refusal: Any = None
+    prompt_cache_breakpoint: Any = None
+
+
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    role: Role
+    content: str | Annotated[list[ContentPart], Meta(min_length=1)] | None = None
+    name: str | None = None
+    # Assistant/tool fields of the spec, refused by name when set.
+    refusal: Any = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    audio: Any = None
+
+    def text(self) -> str:
+        """The message text; text parts are joined with newlines."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text or "" for part in self.content or [])
+
+
+def _check_message(i: int, msg: ChatMessage) -> None:
+    where = f"messages[{i}]"
+    if msg.role in ("tool", "function"):
+        raise unsupported_value(
+            f"{where}.role", msg.role, "tool and function calling are not available."
+        )
+    for field in ("refusal", "tool_calls", "tool_call_id", "function_call", "audio"):
+        if getattr(msg, field) is not None:
+            raise unsupported_parameter(f"{where}.{field}", "only text messages are served.")
+    if msg.content is None:
+        raise ApiError(
+            f"Missing required parameter: '{where}.content'.",
+            param=f"{where}.content",
+            code="missing_required_parameter",
+        )
+    if isinstance(msg.content, list):
+        for j, part in enumerate(msg.content):
+            part_where = f"{where}.content[{j}]"
+            if part.type != "text":
+                raise unsupported_value(
+                    f"{part_where}.type", part.type, "only text content parts are served."
+                )
+            for field in ("image_url", "input_audio", "file", "refusal", "prompt_cache_breakpoint"):
+                if getattr(part, field) is not None:
+                    raise unsupported_parameter(
+                        f"{part_where}.{field}", "only text content parts are served."
+                    )
+            if part.text is None:
+                raise ApiError(
+                    f"Missing required parameter: '{part_where}.text'.",
+                    param=f"{part_where}.text",
+                    code="missing_required_parameter",
+                )
+
+
+class ChatCompletionRequest(_SamplingRequest, kw_only=True, forbid_unknown_fields=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None  # deprecated alias
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    # Hints that need no action here: prefix caching is automatic; end-user ids for abuse tracking.
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    parallel_tool_calls: bool | None = None  # meaningless without tools
+    # Known to the spec, served only at the values that ask for nothing (checked after decode).
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    modalities: list[str] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    function_call: Any = None
+    functions: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+    store: bool | None = None
+    metadata: Any = None
+    moderation: Any = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: Any = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens, else the deprecated max_tokens; None when neither is set."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token when logprobs are on, else None."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# Parameters whose only servable values are those listed ("asks for nothing").
+_CHAT_OFF_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tools": ((None, []), "tool calling is not available."),
+    "tool_choice": ((None, "none"), "tool calling is not available."),
+    "function_call": ((None, "none"), "function calling is not available."),
+    "functions": ((None,), "function calling is not available."),
+    "audio": ((None,), "only text output is available."),
+    "prediction": ((None,), "predicted outputs are not available."),
+    "web_search_options": ((None,), "web search is not available."),
+    "verbosity": ((None,), "the model has no verbosity control."),
+    "reasoning_effort": ((None, "none"), "the model does not reason."),
+    "service_tier": ((None, "auto", "default"), "there is a single service tier."),
+    "store": ((None, False), "completions are not stored."),
+    "metadata": ((None,), "metadata is only kept for stored completions, which are not available."),
+    "moderation": ((None,), "moderation is not available."),
+    "prompt_cache_retention": ((None, "in_memory"), "the prefix cache lives in memory only."),
+    "prompt_cache_options": ((None,), "the prefix cache is automatic and not configurable."),
+}
+
+
+def _check_chat(req: ChatCompletionRequest) -> None:
+    for i, msg in enumerate(req.messages):
+        _check_message(i, msg)
+    for field, (allowed, reason) in _CHAT_OFF_VALUES.items():
+        value = getattr(req, field)
+        if not any(value == ok and type(value) is type(ok) for ok in allowed):
+            if isinstance(value, str):  # an enum-like choice we do not offer
+                raise unsupported_value(field, value, reason)
+            raise unsupported_parameter(field, reason)
+    if req.modalities is not None and any(m != "text" for m in req.modalities):
+        bad = next(m for m in req.modalities if m != "text")
+        raise unsupported_value("modalities", bad, "only text output is available.")
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        raise unsupported_value(
+            "response_format",
+            req.response_format.get("type"),
+            "structured output is not available; only {'type': 'text'} is accepted.",
+        )
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid_value("top_logprobs", "'top_logprobs' requires 'logprobs' to be true.")
+
+
+def _check_stream_options(req: _SamplingRequest) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise invalid_value(
+            "stream_options",
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+        )
+
+
+# --- vLLM's /tokenize and /detokenize ----------------------------------------------------------
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Exactly one of `prompt` (raw text) or `messages` (rendered with the chat template).
+    `add_special_tokens` adds BOS as a completion or chat request would."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+def _check_tokenize(req: TokenizeRequest) -> None:
+    if (req.prompt is None) == (req.messages is None):
+        raise invalid_value("prompt", "Provide exactly one of 'prompt' or 'messages'.")
+    for i, msg in enumerate(req.messages or []):
+        _check_message(i, msg)
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# --- decoding ----------------------------------------------------------------------------------
+
+T = TypeVar("T")
+Body = bytes | str | dict[str, Any]
+
+
+def _decode(body: Body, type_: type[T]) -> T:
+    """JSON bytes/str, or an already-parsed dict (e.g. one WebSocket message), to `type_`."""
+    try:
+        if isinstance(body, dict):
+            return msgspec.convert(body, type_)
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        raise from_decode_error(exc) from None
+
+
+def decode_completion_request(body: Body) -> CompletionRequest:
+    """Parse and validate a /v1/completions body; raises ApiError (400) naming the field."""
+    req = _decode(body, CompletionRequest)
+    _check_stream_options(req)
+    _check_completion(req)
+    return req
+
+
+def decode_chat_completion_request(body: Body) -> ChatCompletionRequest:
+    """Parse and validate a /v1/chat/completions body; raises ApiError (400) naming the field."""
+    req = _decode(body, ChatCompletionRequest)
+    _check_stream_options(req)
+    _check_chat(req)
+    return req
+
+
+def decode_tokenize_request(body: Body) -> TokenizeRequest:
+    req = _decode(body, TokenizeRequest)
+    _check_tokenize(req)
+    return req
+
+
+def decode_detokenize_request(body: Body) -> DetokenizeRequest:
+    return _decode(body, DetokenizeRequest)

@@ -1,0 +1,180 @@
+"""Response bodies and stream chunks, shaped as the OpenAI spec describes them.
+
+Encode with msgspec.json.encode. Fields OpenAI leaves out unless asked for are typed
+`... | UnsetType` and default to UNSET, which msgspec omits; fields the spec requires even when
+empty (a choice's `logprobs`, a message's `refusal`) default to None and are sent as null.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Literal
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+FinishReason = Literal["stop", "length"]
+
+
+def new_completion_id() -> str:
+    return f"cmpl-{secrets.token_hex(12)}"
+
+
+def new_chat_completion_id() -> str:
+    return f"chatcmpl-{secrets.token_hex(12)}"
+
+
+# --- usage -------------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )
+
+
+# --- /v1/completions (the same shape is used for stream chunks) -------------------------------
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None  # null in stream chunks until the last one
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """A text completion, or one chunk of a streamed one.
+
+    `usage`: set on a full response; in a stream, null on every chunk and set on a final chunk
+    with no choices when stream_options.include_usage is on, absent otherwise.
+    """
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | UnsetType = UNSET
+    choices: list[CompletionChoice]
+    usage: Usage | None | UnsetType = UNSET
+
+
+# --- /v1/chat/completions ----------------------------------------------------------------------
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(msgspec.Struct, kw_only=True):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    refusal: str | None = None
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | UnsetType = UNSET
+    choices: list[ChatChoice]
+    usage: Usage | UnsetType = UNSET
+
+
+class ChatDelta(msgspec.Struct, kw_only=True):
+    """The first chunk of a choice carries the role; later ones the new content; the last {}."""
+
+    role: Literal["assistant"] | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    """One chat stream chunk; `usage` as in Completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | UnsetType = UNSET
+    choices: list[ChatChunkChoice]
+    usage: Usage | None | UnsetType = UNSET
+
+
+# --- /v1/models --------------------------------------------------------------------------------
+
+
+class Model(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    max_model_len: int  # vLLM's extension: the context length in tokens
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+# --- vLLM's /tokenize and /detokenize ----------------------------------------------------------
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | UnsetType = UNSET  # only when return_token_strs was asked for
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str

@@ -1,0 +1,94 @@
+"""Validate JSON instances against a component schema of the OpenAI spec (for tests).
+
+    from tests.openapi_schema import validate
+    validate(body, "CreateChatCompletionResponse")   # raises jsonschema.ValidationError
+
+The spec is OpenAPI 3.1 (JSON Schema 2020-12) but still uses the 3.0 keyword `nullable: true`,
+which JSON Schema ignores; it is rewritten once at load time to allow null. `$ref`s resolve
+within the document through a `referencing` registry.
+
+One documented deviation: the spec says streamed and non-streamed completions share one shape,
+but its `finish_reason` is not nullable, while every chunk before the last carries null (as
+OpenAI's own API sends). Validate completion chunks against COMPLETION_CHUNK, which is
+CreateCompletionResponse with a nullable finish_reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
+
+SPEC_PATH = Path(__file__).resolve().parents[2] / "shared" / "openai" / "openapi.yaml"
+_URI = "urn:openai-openapi"
+COMPLETION_CHUNK = "CreateCompletionResponse(stream chunk)"
+
+_TYPE_SIBLINGS = {"oneOf", "anyOf", "allOf", "$ref"}
+
+
+def _allow_null(node: Any) -> Any:
+    """Rewrite every `nullable: true` into JSON Schema, depth first."""
+    if isinstance(node, list):
+        return [_allow_null(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _allow_null(value) for key, value in node.items()}
+    if node.pop("nullable", False) is not True:
+        return node
+    if "type" in node and not _TYPE_SIBLINGS & node.keys():
+        types = node["type"] if isinstance(node["type"], list) else [node["type"]]
+        node["type"] = [*types, "null"]
+        if "enum" in node:
+            node["enum"] = [*node["enum"], None]
+        return node
+    return {"anyOf": [node, {"type": "null"}]}
+
+
+@functools.cache
+def _spec() -> dict[str, Any]:
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    with SPEC_PATH.open() as f:
+        spec = _allow_null(yaml.load(f, Loader=loader))
+    schemas = spec["components"]["schemas"]
+    chunk = copy.deepcopy(schemas["CreateCompletionResponse"])
+    finish = chunk["properties"]["choices"]["items"]["properties"]["finish_reason"]
+    finish["type"], finish["enum"] = ["string", "null"], [*finish["enum"], None]
+    schemas[COMPLETION_CHUNK] = chunk
+    return spec
+
+
+@functools.cache
+def _validator(name: str) -> jsonschema.Draft202012Validator:
+    spec = _spec()
+    if name not in spec["components"]["schemas"]:
+        raise KeyError(f"no component schema named {name!r}")
+    registry = Registry().with_resource(
+        _URI, Resource.from_contents(spec, default_specification=DRAFT202012)
+    )
+    return jsonschema.Draft202012Validator(
+        {"$ref": f"{_URI}#/components/schemas/{name}"}, registry=registry
+    )
+
+
+def schema(name: str) -> dict[str, Any]:
+    """The (null-rewritten, unresolved) component schema called `name`."""
+    return _spec()["components"]["schemas"][name]
+
+
+def validate(instance: Any, name: str) -> None:
+    """Raise jsonschema.ValidationError unless `instance` matches component schema `name`."""
+    _validator(name).validate(instance)
+
+
+def errors(instance: Any, name: str) -> list[str]:
+    """Every violation as "path: message" (empty when valid), for readable assertions."""
+    return [
+        f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+        for e in _validator(name).iter_errors(instance)
+    ]
