@@ -1,0 +1,327 @@
+"""Batched next-token sampling.
+
+One call turns the logits of every sequence that needs a token this step into token ids
+(and, where asked, logprobs). Per row, in this order:
+
+1. logit bias is added;
+2. repetition penalty (CTRL paper, Keskar et al. 2019): every token seen in prompt or output
+   has a positive logit divided by the penalty and a negative one multiplied by it;
+3. frequency and presence penalties (OpenAI semantics, output tokens only):
+   logit -= frequency_penalty * count + presence_penalty * (count > 0);
+4. while fewer than min_tokens tokens were generated, EOS (unless ignore_eos) and the stop
+   token ids get logit -inf;
+5. greedy rows (temperature below 1e-5) take the argmax; the others divide by temperature,
+   softmax, then keep top-k, then top-p of the renormalized top-k distribution (the smallest
+   set of most likely tokens whose mass reaches top_p), then tokens with probability at least
+   min_p times the largest, and draw from what is kept.
+
+Logprobs (and the top alternatives) are those of the raw model output: log_softmax of the
+logits as given, before any of the steps above, so they do not depend on sampling settings.
+
+Randomness: a draw needs one uniform number u per row, used by inverse-CDF sampling over the
+kept tokens in token-id order. A seeded row takes u from a generator keyed by (seed, step),
+so its token depends only on its own logits, parameters and step -- never on the other rows
+of the batch or the batch size; and a recomputed step draws the same token.
+Unseeded rows take u from torch's global generator.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Sequence as EngineSequence
+from engine.request import TokenLogprob
+from engine.sampling import SamplingParams
+
+# Dividing by a smaller temperature overflows float32; treat it as greedy.
+_GREEDY_TEMPERATURE = 1e-5
+# Candidates first tried for a top-p row without top-k; if their mass is below top_p the
+# candidate set grows by _CANDIDATE_GROWTH until it covers every nucleus: exact either way.
+_TOP_P_CANDIDATES = 1024
+_CANDIDATE_GROWTH = 8
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row of the logits."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    step: int  # tokens already generated; keys the seeded draw and min_tokens
+
+    @classmethod
+    def from_sequence(cls, seq: EngineSequence) -> SamplingRow:
+        return cls(seq.sampling, seq.prompt_token_ids, seq.output_token_ids, seq.num_output_tokens)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprob | None]  # None for rows whose params.logprobs is None
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """Sample one token per row of `logits` ([N, vocab]); the caller's tensor is not changed."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+        logits = logits.float()
+        processed = self.adjust_logits(logits, rows)
+
+        greedy = [i for i, r in enumerate(rows) if r.params.temperature < _GREEDY_TEMPERATURE]
+        if len(greedy) == len(rows):
+            token_ids = processed.argmax(dim=-1)
+        else:
+            token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+            if greedy:
+                index = _index(greedy, logits.device)
+                token_ids[index] = processed[index].argmax(dim=-1)
+            greedy_set = set(greedy)
+            drawn = [i for i in range(len(rows)) if i not in greedy_set]
+            index = _index(drawn, logits.device)
+            token_ids[index] = _draw(processed[index], [rows[i] for i in drawn])
+
+        ids = token_ids.tolist()
+        return SamplerOutput(ids, _logprobs(logits, rows, token_ids, ids))
+
+    def adjust_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Steps 1-4 of the module docstring; returns `logits` itself when no row needs them."""
+        vocab = logits.shape[1]
+        bias: list[tuple[int, int, float]] = []
+        banned: list[tuple[int, int]] = []
+        repetition: list[int] = []
+        frequency_presence: list[int] = []
+        for i, row in enumerate(rows):
+            p = row.params
+            # Ids outside the vocabulary are ignored rather than failing the whole batch.
+            bias.extend((i, t, b) for t, b in p.logit_bias.items() if 0 <= t < vocab)
+            if row.step < p.min_tokens:
+                stop_ids = set(p.stop_token_ids)
+                if not p.ignore_eos:
+                    stop_ids.update(self.eos_token_ids)
+                banned.extend((i, t) for t in stop_ids if 0 <= t < vocab)
+            if p.repetition_penalty != 1.0:
+                repetition.append(i)
+            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                frequency_presence.append(i)
+        if not (bias or banned or repetition or frequency_presence):
+            return logits
+
+        out = logits.clone()
+        device = logits.device
+        if bias:
+            b_rows, b_cols, b_vals = zip(*bias)
+            out.index_put_(
+                (_index(b_rows, device), _index(b_cols, device)),
+                torch.tensor(b_vals, dtype=out.dtype, device=device),
+                accumulate=True,
+            )
+        if repetition:
+            _apply_repetition_penalty(out, [(i, rows[i]) for i in repetition])
+        if frequency_presence:
+            _apply_frequency_presence(out, [(i, rows[i]) for i in frequency_presence])
+        if banned:
+            ban_rows, ban_cols = zip(*banned)
+            out[_index(ban_rows, device), _index(ban_cols, device)] = float("-inf")
+        return out
+
+
+def _index(values: Iterable[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.long, device=device)
+
+
+def _token_positions(
+    rows: Sequence[tuple[int, Sequence[int]]], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) pairs of every in-vocabulary token of every row."""
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for i, tokens in rows:
+        kept = [t for t in tokens if 0 <= t < vocab]
+        row_ids.extend([i] * len(kept))
+        token_ids.extend(kept)
+    return _index(row_ids, device), _index(token_ids, device)
+
+
+def _apply_repetition_penalty(out: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> None:
+    r, t = _token_positions(
+        [(i, [*row.prompt_token_ids, *row.output_token_ids]) for i, row in rows],
+        out.shape[1],
+        out.device,
+    )
+    penalty = torch.zeros(out.shape[0], dtype=out.dtype, device=out.device)
+    penalty[_index([i for i, _ in rows], out.device)] = torch.tensor(
+        [row.params.repetition_penalty for _, row in rows], dtype=out.dtype, device=out.device
+    )
+    seen = out[r, t]
+    # A token repeated in the history appears several times in (r, t); every copy is
+    # computed from the original logit, so the repeated writes agree.
+    out[r, t] = torch.where(seen > 0, seen / penalty[r], seen * penalty[r])
+
+
+def _apply_frequency_presence(out: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> None:
+    vocab = out.shape[1]
+    r, t = _token_positions([(i, row.output_token_ids) for i, row in rows], vocab, out.device)
+    if r.numel() == 0:
+        return
+    frequency = torch.zeros(out.shape[0], dtype=out.dtype, device=out.device)
+    presence = torch.zeros_like(frequency)
+    index = _index([i for i, _ in rows], out.device)
+    frequency[index] = torch.tensor(
+        [row.params.frequency_penalty for _, row in rows], dtype=out.dtype, device=out.device
+    )
+    presence[index] = torch.tensor(
+        [row.params.presence_penalty for _, row in rows], dtype=out.dtype, device=out.device
+    )
+    out.index_put_((r, t), -frequency[r], accumulate=True)  # once per occurrence
+    distinct = torch.unique(r * vocab + t)
+    ur, ut = distinct // vocab, distinct % vocab
+    out.index_put_((ur, ut), -presence[ur], accumulate=True)  # once per distinct token
+
+
+def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Random (non-greedy) rows: temperature, top-k, top-p, min-p, then one draw each."""
+    device = logits.device
+    temperature = torch.tensor(
+        [[r.params.temperature] for r in rows], dtype=logits.dtype, device=device
+    )
+    probs = torch.softmax(logits / temperature, dim=-1)
+    u = torch.tensor(_uniforms(rows), dtype=_uniform_dtype(device), device=device)
+    params = [r.params for r in rows]
+
+    restricted = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+    if not restricted:
+        return _draw_from_vocabulary(probs, params, u)
+    if len(restricted) == len(rows):
+        return _draw_from_candidates(probs, params, u)
+    token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
+    restricted_set = set(restricted)
+    for subset, draw in (
+        ([i for i in range(len(rows)) if i not in restricted_set], _draw_from_vocabulary),
+        (restricted, _draw_from_candidates),
+    ):
+        index = _index(subset, device)
+        token_ids[index] = draw(probs[index], [params[i] for i in subset], u[index])
+    return token_ids
+
+
+def _draw_from_vocabulary(
+    probs: torch.Tensor, params: list[SamplingParams], u: torch.Tensor
+) -> torch.Tensor:
+    """Rows without top-k and top-p: min-p, then a draw over the whole vocabulary."""
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([[p.min_p] for p in params], dtype=probs.dtype, device=probs.device)
+        probs = torch.where(probs >= min_p * probs.max(dim=-1, keepdim=True).values, probs, 0.0)
+    return _inverse_cdf(probs, u)
+
+
+def _draw_from_candidates(
+    probs: torch.Tensor, params: list[SamplingParams], u: torch.Tensor
+) -> torch.Tensor:
+    """Rows with top-k and/or top-p: work on the most likely tokens instead of the vocabulary."""
+    device = probs.device
+    vocab = probs.shape[1]
+    acc = _accumulation_dtype(device)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    has_top_k = torch.tensor([p.top_k > 0 for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=acc, device=device)
+    min_p = torch.tensor([[p.min_p] for p in params], dtype=probs.dtype, device=device)
+
+    width = max((p.top_k for p in params if p.top_k > 0), default=0)
+    if not all(p.top_k > 0 for p in params):
+        width = max(width, _TOP_P_CANDIDATES)
+    width = min(width, vocab)
+    full_mass = probs.sum(dim=-1, dtype=acc)
+    while True:
+        cand_probs, cand_ids = probs.topk(width, dim=-1)  # sorted, most likely first
+        in_top_k = torch.arange(width, device=device) < top_k[:, None]
+        kept_probs = torch.where(in_top_k, cand_probs, 0.0).to(acc)
+        # top-p renormalizes over the top-k set; without top-k that set is the vocabulary.
+        mass = torch.where(has_top_k, kept_probs.sum(dim=-1), full_mass)
+        cumulative = (kept_probs / mass[:, None]).cumsum(dim=-1)
+        enough = has_top_k | (cumulative[:, -1] >= top_p)
+        if width == vocab or bool(enough.all()):
+            break
+        width = min(vocab, width * _CANDIDATE_GROWTH)  # some nucleus reaches further
+
+    before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
+    keep = in_top_k & (before < top_p[:, None])
+    keep &= cand_probs >= min_p * cand_probs[:, :1]
+    # Draw in token-id order, as the unrestricted path does, so ties in the ranking and
+    # the candidate width (which depends on the other rows) cannot change the result.
+    ids_sorted, order = cand_ids.sort(dim=-1)
+    weights = torch.where(keep, cand_probs, 0.0).gather(1, order)
+    return ids_sorted.gather(1, _inverse_cdf(weights, u)[:, None]).squeeze(1)
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first column where the running sum of `weights` exceeds u * total.
+
+    That column always has weight > 0: zero-weight columns never raise the running sum.
+    """
+    cdf = weights.cumsum(dim=-1, dtype=_accumulation_dtype(weights.device))
+    total = cdf[:, -1:]
+    target = (u[:, None] * total.to(u.dtype)).to(cdf.dtype)
+    # Keep the target strictly below the total even where u * total rounds up to it.
+    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
+    chosen = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return chosen.clamp_(max=weights.shape[1] - 1)  # only reached if a row has no weight
+
+
+def _uniforms(rows: Sequence[SamplingRow]) -> list[float]:
+    """One uniform in [0, 1) per row: keyed by (seed, step) for seeded rows, else fresh."""
+    unseeded = sum(r.params.seed is None for r in rows)
+    fresh = iter(torch.rand(unseeded, dtype=torch.float64).tolist())
+    uniforms = []
+    for r in rows:
+        if r.params.seed is None:
+            uniforms.append(next(fresh))
+        else:
+            # random.Random seeds from a str through SHA-512: the same in every process.
+            uniforms.append(random.Random(f"{r.params.seed}:{r.step}").random())
+    return uniforms
+
+
+def _accumulation_dtype(device: torch.device) -> torch.dtype:
+    """Dtype of running sums over the vocabulary.
+
+    CUDA scans accumulate in the storage dtype, so they get float64. The CPU cumsum already
+    accumulates float32 in double (each stored sum is off by at most float32 rounding, ~1e-7
+    relative) and runs three times faster than a float64 one. MPS has no float64.
+    """
+    return torch.float64 if device.type == "cuda" else torch.float32
+
+
+def _uniform_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _logprobs(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor, ids: list[int]
+) -> list[TokenLogprob | None]:
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    result: list[TokenLogprob | None] = [None] * len(rows)
+    if not wanted:
+        return result
+    index = _index(wanted, logits.device)
+    logprobs = torch.log_softmax(logits[index], dim=-1)
+    chosen = logprobs.gather(1, token_ids[index][:, None]).squeeze(1).tolist()
+    most = max(rows[i].params.logprobs or 0 for i in wanted)
+    top_values, top_ids = logprobs.topk(most, dim=-1)
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(wanted):
+        k = rows[i].params.logprobs or 0
+        result[i] = TokenLogprob(
+            token_id=ids[i],
+            logprob=chosen[j],
+            top=list(zip(top_ids[j][:k], top_values[j][:k])),
+        )
+    return result
