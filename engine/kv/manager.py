@@ -1,0 +1,505 @@
+"""The KV memory manager: per-sequence block tables over refcounted block pools, prefix
+sharing through the prefix cache, sliding-window freeing and per-session eviction.
+
+Lifecycle of a sequence, as driven by the scheduler and the engine:
+
+    cached = kv.match_prefix(seq)          # first scheduling (also after preemption)
+    ok = kv.allocate(seq, num_new_tokens)  # before every step that computes tokens of seq
+    ... copies = kv.take_block_copies()    # engine -> backend, before the forward
+    ... forward; engine advances seq.num_computed_tokens (and appends the sampled token)
+    kv.record_attention(seq, mass, slots)  # only for sequences with kv.wants_attention(seq)
+    kv.commit(seq)                         # after each step that advanced seq
+    kv.free(seq)                           # finished, aborted or preempted
+
+One block pool per cache group ("full", "sliding"); physical block ids are per group (the
+backend allocates num_blocks blocks for every group). All counts are in blocks of
+`block_size` tokens. A token at position p of a sequence lives in that group's block
+table[p // block_size] at offset p % block_size; its slot is block_id * block_size + offset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+
+from engine.backends.base import CacheGroupSpec
+from engine.kv.block_pool import Block, BlockPool
+from engine.kv.eviction import EVICTION_POLICIES, EvictionPolicy, make_policy
+from engine.kv.prefix_cache import PrefixCache, RadixNode
+from engine.request import Sequence
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """Copy-on-write: the backend must copy physical block `src` to `dst` in `group`.
+
+    Copies are produced by allocate() and must be applied in list order, all of them
+    before the next forward writes any K/V (a released src may be reused as a later dst).
+    """
+
+    group: str
+    src: int
+    dst: int
+
+
+@dataclass
+class _SeqBlocks:
+    """What the manager knows about one sequence holding blocks."""
+
+    tables: dict[str, list[Block | None]]  # group -> logical block -> block (None: not held)
+    path: list[RadixNode] = field(default_factory=list)  # cache nodes of blocks 0..len-1
+    window_start: dict[str, int] = field(default_factory=dict)  # sliding: first block still held
+    first_evicted: int | None = None  # lowest logical block dropped by the eviction policy
+    scores: dict[int, float] = field(default_factory=dict)  # h2o: attention mass per block
+    prompt_claim: int = 0  # tokens of the prompt registered in the exact-match index
+
+
+class KVCacheManager:
+    """Block tables of all sequences over one refcounted pool per cache group.
+
+    groups: the model's cache groups (engine.backends.base.CacheGroupSpec); "full" is the
+        primary group if present (every prefix-cache node has a block of it), else the first.
+    num_blocks: blocks per group (the backend allocates this many for every group).
+    block_size: tokens per block.
+    enable_prefix_caching: share and reuse full blocks across sequences (radix tree +
+        exact-match index); when off, blocks are freed as soon as nobody holds them.
+    sink_tokens, h2o_recent_fraction: parameters of the `sink` and `h2o` eviction policies.
+    """
+
+    def __init__(
+        self,
+        groups: list[CacheGroupSpec],
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sink_tokens: int = 4,
+        h2o_recent_fraction: float = 0.5,
+    ) -> None:
+        if not groups:
+            raise ValueError("the KV cache needs at least one cache group")
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        names = [g.name for g in groups]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate cache group names: {names}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.group_specs = {g.name: g for g in groups}
+        self.primary = "full" if "full" in self.group_specs else names[0]
+        self.windows = {g.name: g.sliding_window for g in groups}
+        self.pools = {name: BlockPool(name, num_blocks) for name in names}
+        self.cache = PrefixCache(self.pools, self.primary, block_size, self.windows)
+        for pool in self.pools.values():
+            pool.reclaim_handler = self.cache.forget_block
+        self._policies: dict[str, EvictionPolicy] = {
+            name: make_policy(name, block_size, sink_tokens, h2o_recent_fraction)
+            for name in EVICTION_POLICIES
+        }
+        self._seqs: dict[int, _SeqBlocks] = {}
+        self._copies: list[BlockCopy] = []
+        self.num_cow_copies = 0
+        self.num_evicted_blocks = 0  # dropped by per-session eviction policies
+        self.num_window_freed_blocks = 0  # dropped by sliding windows
+
+    # ------------------------------------------------------------------ capacity
+
+    @property
+    def num_total_blocks(self) -> int:
+        """Blocks per group."""
+        return self.pools[self.primary].num_total
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocate() can still hand out (free + cached-unused), in the tightest group."""
+        return min(pool.num_available for pool in self.pools.values())
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences (0..1), in the tightest group; cache-only
+        blocks count as free."""
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks allocate(seq, num_new_tokens) would take now, in the group needing most
+        (new blocks plus copy-on-write copies). Does not change anything."""
+        state = self._seqs.get(seq.seq_id)
+        tables = state.tables if state else {}
+        plan = self._plan(tables, seq.num_computed_tokens, num_new_tokens)
+        return max((cow + len(new) for cow, new in plan.values()), default=0)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether allocate(seq, num_new_tokens) would succeed now. Does not change anything."""
+        state = self._seqs.get(seq.seq_id)
+        tables = state.tables if state else {}
+        plan = self._plan(tables, seq.num_computed_tokens, num_new_tokens)
+        return all(cow + len(new) <= self.pools[g].num_available for g, (cow, new) in plan.items())
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """First scheduling of a waiting sequence (new, or preempted and to be recomputed).
+
+        Finds the longest cached prefix of seq.token_ids under seq.cache_salt (exact-match
+        index first for a sequence without output, then the radix tree), takes a reference
+        on its blocks and returns its length in tokens. The length is a multiple of the
+        block size except when the cached blocks cover every token, or the exact-match
+        index has the prompt's partial last block: then it is num_tokens - 1, because at
+        least one token is always recomputed to get logits (the shared block it lands in is
+        copied on write by allocate()).
+
+        Sets seq.num_computed_tokens to the returned value and seq.num_cached_prompt_tokens
+        to its prompt part. Blocks still held from an earlier, failed attempt are released
+        first. With prefix caching off it returns 0. Counts one query in stats().
+        """
+        if seq.seq_id in self._seqs:
+            self.free(seq)
+        state = _SeqBlocks(tables={g: [] for g in self.pools})
+        self._seqs[seq.seq_id] = state
+        cached = 0
+        if self.enable_prefix_caching:
+            exact_prompt = seq.prompt_token_ids if seq.num_output_tokens == 0 else None
+            match = self.cache.match(seq.token_ids, seq.cache_salt, exact_prompt)
+            for group, blocks in match.tables.items():
+                for block in blocks:
+                    if block is not None:
+                        self.pools[group].incref(block)
+                state.tables[group] = list(blocks)
+            cached = match.num_tokens
+            state.path = match.nodes[: cached // self.block_size]
+            for group, window in self.windows.items():
+                if window is not None:
+                    state.window_start[group] = max(0, cached - window) // self.block_size
+        seq.num_computed_tokens = cached
+        seq.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
+        return cached
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Give seq slots for positions [num_computed_tokens, num_computed_tokens + num_new_tokens).
+
+        All-or-nothing: returns False and changes nothing if any group lacks blocks.
+        Blocks are added lazily; when the free queue is short, unreferenced cached blocks
+        are reclaimed least-recently-used first. If the block the first new token lands in
+        is shared (another holder, or cached), seq gets its own copy first and a BlockCopy
+        is queued for take_block_copies(). Call again each step; num_new_tokens <= 0 is a
+        no-op returning True.
+        """
+        if num_new_tokens <= 0:
+            return True
+        state = self._seqs.get(seq.seq_id)
+        if state is None:
+            state = _SeqBlocks(tables={g: [] for g in self.pools})
+        plan = self._plan(state.tables, seq.num_computed_tokens, num_new_tokens)
+        if any(cow + len(new) > self.pools[g].num_available for g, (cow, new) in plan.items()):
+            return False
+        self._seqs[seq.seq_id] = state
+        first = seq.num_computed_tokens // self.block_size
+        for group, (cow, new) in plan.items():
+            pool, table = self.pools[group], state.tables[group]
+            if cow:
+                src = table[first]
+                dst = pool.allocate()
+                self._copies.append(BlockCopy(group, src.block_id, dst.block_id))
+                self.num_cow_copies += 1
+                table[first] = dst
+                pool.decref(src)
+            if new:
+                table.extend([None] * (new[-1] + 1 - len(table)))
+                for index in new:
+                    table[index] = pool.allocate()
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """After a step advanced seq.num_computed_tokens (and appended any sampled token).
+
+        Publishes newly full blocks to the prefix cache (and the prompt to the exact-match
+        index once it is computed), frees sliding-group blocks wholly out of the window,
+        and applies seq.eviction_policy if seq holds more than seq.max_kv_tokens of KV.
+        """
+        state = self._seqs.get(seq.seq_id)
+        if state is None:
+            return
+        if self.enable_prefix_caching:
+            self._publish(seq, state)
+            self._register_prompt(seq, state, final=False)
+        self._free_out_of_window(state, seq.num_computed_tokens)
+        self._evict(seq, state)
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block seq holds (finished, aborted or preempted); idempotent.
+
+        Full computed blocks are published first and stay in the prefix cache, so a
+        session's next turn, a repeated prompt or a preempted sequence's recompute hits
+        them; they are reclaimed least-recently-used when memory is needed. The prompt's
+        partial last block is kept in the exact-match index when nothing else holds it.
+        Does not touch seq's fields (the scheduler resets num_computed_tokens on preemption).
+        """
+        state = self._seqs.pop(seq.seq_id, None)
+        if state is None:
+            return
+        if self.enable_prefix_caching:
+            self._publish(seq, state)
+            self._register_prompt(seq, state, final=True)
+        for group, table in state.tables.items():
+            pool = self.pools[group]
+            for block in reversed(table):  # deepest first: leaves are reclaimed before parents
+                if block is not None:
+                    pool.decref(block)
+
+    def take_block_copies(self) -> list[BlockCopy]:
+        """Copy-on-write copies queued by allocate() since the last call, in order; the
+        engine hands them to the backend, which applies them before the forward."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    # ------------------------------------------------------------------ addressing
+
+    def layout(self, seq: Sequence) -> dict[str, list[tuple[int, int]]]:
+        """Per group, the blocks seq holds as (physical block id, logical block index), in
+        logical order. Blocks dropped by a sliding window or an eviction policy are absent."""
+        state = self._seqs.get(seq.seq_id)
+        if state is None:
+            return {g: [] for g in self.pools}
+        return {
+            group: [(b.block_id, index) for index, b in enumerate(table) if b is not None]
+            for group, table in state.tables.items()
+        }
+
+    def slots_for_new_tokens(self, seq: Sequence, num_new_tokens: int) -> dict[str, list[int]]:
+        """Per group, the slot of each position in [num_computed_tokens, + num_new_tokens):
+        the slot_mapping rows of this step. The positions must have been allocated."""
+        state = self._seqs[seq.seq_id]
+        start, bs = seq.num_computed_tokens, self.block_size
+        positions = range(start, start + num_new_tokens)
+        return {
+            group: [table[pos // bs].block_id * bs + pos % bs for pos in positions]
+            for group, table in state.tables.items()
+        }
+
+    def key_slots_and_positions(
+        self, seq: Sequence, num_new_tokens: int
+    ) -> dict[str, tuple[list[int], list[int]]]:
+        """Per group, (slots, positions) of every key seq attends to in a step computing
+        num_new_tokens more tokens (this step's tokens included), in layout() order.
+        Positions keep their original values after eviction; the backend masks by position
+        (causality and sliding window), never by slot order."""
+        state = self._seqs.get(seq.seq_id)
+        if state is None:
+            return {g: ([], []) for g in self.pools}
+        total, bs = seq.num_computed_tokens + num_new_tokens, self.block_size
+        out: dict[str, tuple[list[int], list[int]]] = {}
+        for group, table in state.tables.items():
+            slots: list[int] = []
+            positions: list[int] = []
+            for index, block in enumerate(table):
+                count = min(bs, total - index * bs)
+                if block is None or count <= 0:
+                    continue
+                slots.extend(range(block.block_id * bs, block.block_id * bs + count))
+                positions.extend(range(index * bs, index * bs + count))
+            out[group] = (slots, positions)
+        return out
+
+    # ------------------------------------------------------------------ eviction input
+
+    def wants_attention(self, seq: Sequence) -> bool:
+        """Whether the backend should report attention mass for seq (h2o eviction)."""
+        return seq.eviction_policy == "h2o" and seq.max_kv_tokens is not None
+
+    def record_attention(
+        self, seq: Sequence, mass: SequenceOf[float], key_slots: SequenceOf[int]
+    ) -> None:
+        """Accumulate the attention mass seq's keys received in one step, per logical block
+        (h2o scores). mass[i] belongs to the key in slot key_slots[i] of the primary group
+        ("full" when the model has one, as ForwardOutput.attention_mass reports), e.g. that
+        group's key_slots_and_positions() slots; lists or 1-D tensors of equal length."""
+        state = self._seqs.get(seq.seq_id)
+        if state is None:
+            return
+        masses = mass.tolist() if hasattr(mass, "tolist") else list(mass)
+        slots = key_slots.tolist() if hasattr(key_slots, "tolist") else list(key_slots)
+        if len(masses) != len(slots):
+            raise ValueError(f"{len(masses)} attention masses for {len(slots)} key slots")
+        table = state.tables[self.primary]
+        logical = {b.block_id: index for index, b in enumerate(table) if b is not None}
+        for value, slot in zip(masses, slots):
+            index = logical.get(slot // self.block_size)
+            if index is not None:
+                state.scores[index] = state.scores.get(index, 0.0) + value
+
+    # ------------------------------------------------------------------ views
+
+    def num_held_blocks(self, seq: Sequence) -> int:
+        """Blocks seq holds in the primary group (its KV footprint)."""
+        state = self._seqs.get(seq.seq_id)
+        if state is None:
+            return 0
+        return sum(block is not None for block in state.tables[self.primary])
+
+    def stats(self) -> dict:
+        """A JSON-able snapshot: capacity, per-group block states, prefix-cache hits,
+        copy-on-write copies and evicted blocks."""
+        return {
+            "block_size": self.block_size,
+            "num_total_blocks": self.num_total_blocks,
+            "num_free_blocks": self.num_free_blocks,
+            "usage": self.usage,
+            "num_sequences": len(self._seqs),
+            "groups": {
+                name: {
+                    "in_use": pool.num_in_use,
+                    "cached_unused": pool.num_cached_unused,
+                    "free": pool.num_free,
+                    "reclaimed": pool.num_reclaimed,
+                }
+                for name, pool in self.pools.items()
+            },
+            "prefix_cache": self.cache.stats(),
+            "cow_copies": self.num_cow_copies,
+            "evicted_blocks": self.num_evicted_blocks,
+            "window_freed_blocks": self.num_window_freed_blocks,
+        }
+
+    # ------------------------------------------------------------------ internals
+
+    def _plan(
+        self, tables: dict[str, list[Block | None]], start: int, num_new_tokens: int
+    ) -> dict[str, tuple[int, list[int]]]:
+        """Per group: (1 if the block the first new token lands in must be copied, else 0;
+        logical indices that need a new block)."""
+        if num_new_tokens <= 0:
+            return {g: (0, []) for g in self.pools}
+        first, last = start // self.block_size, (start + num_new_tokens - 1) // self.block_size
+        plan = {}
+        for group in self.pools:
+            table = tables.get(group, [])
+            held = table[first] if first < len(table) else None
+            cow = int(held is not None and (held.ref_count > 1 or held.owner is not None))
+            new = [i for i in range(first, last + 1) if i >= len(table) or table[i] is None]
+            plan[group] = (cow, new)
+        return plan
+
+    def _publish(self, seq: Sequence, state: _SeqBlocks) -> None:
+        """Insert seq's newly full, computed blocks into the radix tree.
+
+        Stops at the first block an eviction policy dropped: later blocks were computed
+        without the dropped context and would be wrong for anyone else. Where the tree
+        already has the block (computed by another sequence), seq switches to the cached
+        copy and frees its own, so identical prefixes share memory.
+        """
+        bs = self.block_size
+        limit = seq.num_computed_tokens // bs
+        if state.first_evicted is not None:
+            limit = min(limit, state.first_evicted)
+        if state.path and state.path[-1].detached:
+            state.path = []  # an ancestor was reclaimed: re-insert seq's blocks from the root
+        if len(state.path) >= limit:
+            return
+        tokens = seq.token_ids
+        parent = state.path[-1] if state.path else self.cache.root(seq.cache_salt)
+        for index in range(len(state.path), limit):
+            own = self._held_at(state, index)
+            if self.primary not in own:
+                break  # a single sliding group already dropped it: nothing to hang a node on
+            node = self.cache.insert(parent, tuple(tokens[index * bs : (index + 1) * bs]), own)
+            for group, block in own.items():
+                cached = node.blocks.get(group)
+                if cached is not None and cached is not block:
+                    self.pools[group].incref(cached)
+                    state.tables[group][index] = cached
+                    self.pools[group].decref(block)
+            state.path.append(node)
+            parent = node
+
+    def _register_prompt(self, seq: Sequence, state: _SeqBlocks, final: bool) -> None:
+        """Record seq's prompt in the exact-match index once its K/V is all computed.
+
+        The entry covers the prompt's full blocks (its deepest radix node) and, when the
+        prompt ends mid-block, that partial block too: through the node of the block if
+        output filled it, or, once seq is done writing (final), by handing seq's own partial
+        block to the index.
+        """
+        prompt_len, bs = seq.num_prompt_tokens, self.block_size
+        if state.prompt_claim >= prompt_len or seq.num_computed_tokens < prompt_len:
+            return
+        if state.first_evicted is not None and state.first_evicted * bs < prompt_len:
+            return
+        full, rest = divmod(prompt_len, bs)
+        if len(state.path) < full:
+            return
+        tail: dict[str, Block] | None = None
+        if rest == 0:
+            node, claim = state.path[full - 1], prompt_len
+        elif len(state.path) > full:
+            node, claim = state.path[full], prompt_len
+        else:
+            node = state.path[full - 1] if full else self.cache.root(seq.cache_salt)
+            claim = full * bs
+            if final:
+                own = self._held_at(state, full)
+                if self.primary in own and all(
+                    b.ref_count == 1 and b.owner is None for b in own.values()
+                ):
+                    tail, claim = own, prompt_len
+        if claim > state.prompt_claim:
+            # An entry already covering as much (another sequence's) also settles it.
+            self.cache.register_exact(seq.cache_salt, seq.prompt_token_ids, node, claim, tail)
+            state.prompt_claim = claim
+
+    def _free_out_of_window(self, state: _SeqBlocks, num_computed: int) -> None:
+        """Release sliding-group blocks whose keys are all older than the window.
+
+        Keys at positions >= num_computed - window are kept (one more than a query at
+        position num_computed strictly needs, so either window convention is safe).
+        """
+        for group, window in self.windows.items():
+            if window is None:
+                continue
+            table, pool = state.tables[group], self.pools[group]
+            end = min(max(0, num_computed - window) // self.block_size, len(table))
+            for index in range(state.window_start.get(group, 0), end):
+                if table[index] is not None:
+                    pool.decref(table[index])
+                    table[index] = None
+                    self.num_window_freed_blocks += 1
+            state.window_start[group] = max(end, state.window_start.get(group, 0))
+
+    def _evict(self, seq: Sequence, state: _SeqBlocks) -> None:
+        """Apply seq's eviction policy when it holds more than its KV budget.
+
+        Block-granular: the budget is max_kv_tokens // block_size blocks of the primary
+        group (at least the policy's minimum); a dropped logical block is released in every
+        group, disappears from layout(), and its h2o score is forgotten.
+        """
+        if seq.eviction_policy == "none" or seq.max_kv_tokens is None:
+            return
+        policy = self._policies.get(seq.eviction_policy)
+        if policy is None:
+            raise ValueError(
+                f"unknown eviction policy {seq.eviction_policy!r}; "
+                f"expected one of {EVICTION_POLICIES}"
+            )
+        budget = max(seq.max_kv_tokens // self.block_size, policy.min_blocks)
+        held = [i for i, block in enumerate(state.tables[self.primary]) if block is not None]
+        if len(held) <= budget:
+            return
+        victims = policy.select_victims(held, budget, state.scores)
+        for index in sorted(victims, reverse=True):
+            for group, table in state.tables.items():
+                if index < len(table) and table[index] is not None:
+                    self.pools[group].decref(table[index])
+                    table[index] = None
+            state.scores.pop(index, None)
+            self.num_evicted_blocks += 1
+        if victims:
+            lowest = min(victims)
+            if state.first_evicted is None or lowest < state.first_evicted:
+                state.first_evicted = lowest
+
+    @staticmethod
+    def _held_at(state: _SeqBlocks, index: int) -> dict[str, Block]:
+        """The blocks seq holds at one logical index, per group."""
+        return {
+            group: table[index]
+            for group, table in state.tables.items()
+            if index < len(table) and table[index] is not None
+        }

@@ -1,0 +1,108 @@
+"""Shared checks and drivers for the KV manager tests: exact bookkeeping invariants and a
+minimal stand-in for the engine loop (allocate -> advance -> commit)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from engine.kv.block_pool import BlockPool
+from engine.kv.manager import KVCacheManager
+from engine.kv.prefix_cache import ExactEntry, PrefixCache, RadixNode
+from engine.request import Sequence
+from engine.sampling import SamplingParams
+
+
+def make_seq(tokens: list[int], **kwargs) -> Sequence:
+    sampling = SamplingParams(max_tokens=1000)
+    return Sequence(prompt_token_ids=list(tokens), sampling=sampling, **kwargs)
+
+
+def step(kv: KVCacheManager, seq: Sequence, num_new: int, sampled: int = 0) -> None:
+    """One engine step for seq: slots for num_new tokens, compute them, sample once the
+    sequence has caught up, commit."""
+    assert kv.allocate(seq, num_new)
+    seq.num_computed_tokens += num_new
+    if seq.num_computed_tokens == seq.num_tokens:
+        seq.output_token_ids.append(sampled)
+    kv.commit(seq)
+
+
+def prefill(kv: KVCacheManager, seq: Sequence, sampled: int = 0) -> int:
+    """match_prefix + one step over the rest of the sequence; returns the cached tokens."""
+    cached = kv.match_prefix(seq)
+    step(kv, seq, seq.num_tokens - seq.num_computed_tokens, sampled)
+    return cached
+
+
+def decode(kv: KVCacheManager, seq: Sequence, tokens: list[int]) -> None:
+    for token in tokens:
+        step(kv, seq, 1, token)
+
+
+def check_pool(pool: BlockPool) -> None:
+    free_ids = [b.block_id for b in pool._free]
+    assert len(free_ids) == len(set(free_ids)), "a block is twice in the free queue"
+    cached_ids = set(pool._cached)
+    assert not cached_ids & set(free_ids)
+    for block in pool.blocks:
+        if block.block_id in cached_ids:
+            assert block.ref_count == 0 and block.owner is not None, block
+        elif block.block_id in free_ids:
+            assert block.ref_count == 0 and block.owner is None, block
+        else:
+            assert block.ref_count > 0, f"{block!r} is neither held, cached nor free"
+    assert pool.num_free + pool.num_cached_unused + pool.num_in_use == pool.num_total
+
+
+def live_nodes(cache: PrefixCache) -> list[RadixNode]:
+    nodes = []
+    stack = list(cache.roots.values())
+    while stack:
+        node = stack.pop()
+        if node.parent is not None:
+            nodes.append(node)
+        stack.extend(node.children.values())
+    return nodes
+
+
+def check_cache(cache: PrefixCache) -> None:
+    nodes = live_nodes(cache)
+    assert len(nodes) == cache.num_nodes
+    for node in nodes:
+        assert not node.detached
+        assert cache.primary in node.blocks, "a live node lost its primary block"
+        assert node.parent.children[node.key] is node
+        for group, block in node.blocks.items():
+            assert block.owner is node and block.group == group
+    for key, entry in cache._exact.items():
+        assert entry.key == key and not entry.node.detached and key in entry.node.exact_keys
+        for group, block in (entry.tail or {}).items():
+            assert block.owner is entry and block.group == group
+    for pool in cache.pools.values():
+        for block in pool.blocks:
+            if isinstance(block.owner, RadixNode):
+                assert block.owner.blocks.get(block.group) is block
+            elif isinstance(block.owner, ExactEntry):
+                assert block.owner.tail[block.group] is block
+
+
+def check_manager(kv: KVCacheManager) -> None:
+    """Every block's ref_count equals the number of block-table entries pointing at it."""
+    for pool in kv.pools.values():
+        check_pool(pool)
+    check_cache(kv.cache)
+    held: dict[str, Counter] = {g: Counter() for g in kv.pools}
+    for state in kv._seqs.values():
+        for group, table in state.tables.items():
+            held[group].update(b.block_id for b in table if b is not None)
+    for group, pool in kv.pools.items():
+        for block in pool.blocks:
+            assert block.ref_count == held[group][block.block_id], block
+
+
+def assert_all_released(kv: KVCacheManager) -> None:
+    check_manager(kv)
+    assert kv.num_free_blocks == kv.num_total_blocks
+    for pool in kv.pools.values():
+        assert pool.num_in_use == 0
+        assert pool.num_available == pool.num_total
