@@ -1,0 +1,169 @@
+"""The synchronous engine: one `step()` schedules, runs the backend, samples and detokenizes.
+
+No threads and no asyncio here (see `engine.async_engine` for serving). Each step:
+
+    scheduler.schedule() -> ForwardBatch -> backend.forward() -> sampler -> detokenizers
+    -> scheduler.update()  (advance computed tokens, commit KV blocks, retire finished)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from engine.backends.base import InferenceBackend
+from engine.detokenizer import IncrementalDetokenizer, check_stop
+from engine.kv.manager import KVCacheManager
+from engine.request import FinishReason, Sequence, StepOutput
+from engine.sampler import Sampler, SamplingRow
+from engine.sched.admission import AddResult
+from engine.sched.scheduler import Scheduler, SchedulerConfig
+from engine.step_inputs import build_forward_batch
+
+# With no MAX_ACTIVE_KV_TOKENS, the KV cache takes this share of free memory.
+_AUTO_KV_MEMORY_FRACTION = 0.25
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 32
+    max_num_batched_tokens: int = 512
+    max_queue_len: int = 256
+    block_size: int = 16
+    max_active_kv_tokens: int | None = None  # None: sized from memory
+    scheduling_policy: str = "vtc"
+    enable_prefix_caching: bool = True
+    max_inflight_per_tenant: int | None = None
+    max_inflight_per_session: int | None = None
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        backend: InferenceBackend,
+        tokenizer: PreTrainedTokenizerBase,
+        eos_token_ids: Iterable[int],
+        config: EngineConfig = EngineConfig(),
+    ) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = backend.max_model_len
+        num_blocks = _num_kv_blocks(backend, config)
+        backend.allocate_kv_cache(num_blocks, config.block_size)
+        self.kv = KVCacheManager(
+            backend.cache_groups(), num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                policy=config.scheduling_policy,
+                max_num_seqs=config.max_batch_size,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_queue_len=config.max_queue_len,
+                max_inflight_per_tenant=config.max_inflight_per_tenant,
+                max_inflight_per_session=config.max_inflight_per_session,
+            ),
+            self.kv,
+        )
+        self.sampler = Sampler(self.eos_token_ids)
+        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self.num_steps = 0
+
+    def add(self, seq: Sequence) -> AddResult:
+        """Offer a sequence to the scheduler; accepted ones get their detokenizer."""
+        result = self.scheduler.add(seq)
+        if result.accepted:
+            self._detokenizers[seq.seq_id] = IncrementalDetokenizer(
+                self.tokenizer, seq.prompt_token_ids, seq.sampling
+            )
+        return result
+
+    def abort(self, seq_id: int) -> bool:
+        """Retire a sequence at once and free its blocks (call between steps)."""
+        self._detokenizers.pop(seq_id, None)
+        return self.scheduler.abort(seq_id)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Sequence, StepOutput]]:
+        """Run one iteration; returns the output of every sequence that produced a token."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        copies = self.kv.take_block_copies()
+        if copies:
+            self.backend.copy_blocks(copies)
+        batch = build_forward_batch(plan.scheduled, self.kv)
+        result = self.backend.forward(batch)
+        if result.attention_mass is not None:
+            self._record_attention(plan.scheduled, batch, result.attention_mass)
+
+        sampling = [item.seq for item in plan.scheduled if item.samples]
+        outputs: list[tuple[Sequence, StepOutput]] = []
+        finished: dict[int, FinishReason] = {}
+        if sampling:
+            sampled = self.sampler.sample(
+                result.logits, [SamplingRow.from_sequence(seq) for seq in sampling]
+            )
+            for seq, token, logprob in zip(sampling, sampled.token_ids, sampled.logprobs):
+                seq.output_token_ids.append(token)
+                reason = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
+                text = self._detokenizers[seq.seq_id].update(token, reason)
+                if text.finish_reason is not None:
+                    finished[seq.seq_id] = text.finish_reason
+                    self._detokenizers.pop(seq.seq_id)
+                outputs.append(
+                    (
+                        seq,
+                        StepOutput(
+                            request_id=seq.request_id,
+                            new_token_ids=[token],
+                            new_text=text.text,
+                            logprobs=None if logprob is None else [logprob],
+                            finished=text.finish_reason is not None,
+                            finish_reason=text.finish_reason,
+                            num_prompt_tokens=seq.num_prompt_tokens,
+                            num_output_tokens=seq.num_output_tokens,
+                            num_cached_tokens=seq.num_cached_prompt_tokens,
+                        ),
+                    )
+                )
+        self.scheduler.update(plan, finished)
+        self.num_steps += 1
+        return outputs
+
+    def _record_attention(self, scheduled, batch, masses: list[torch.Tensor]) -> None:
+        group = self.kv.primary
+        key_slots = batch.groups[group].key_slots
+        key_valid = batch.groups[group].key_valid
+        for row, (item, mass) in enumerate(zip(scheduled, masses)):
+            if self.kv.wants_attention(item.seq):
+                self.kv.record_attention(item.seq, mass, key_slots[row][key_valid[row]])
+
+
+def _num_kv_blocks(backend: InferenceBackend, config: EngineConfig) -> int:
+    """Blocks per cache group: MAX_ACTIVE_KV_TOKENS, or a share of free memory."""
+    tokens = config.max_active_kv_tokens
+    if tokens is None:
+        bytes_per_token = sum(group.bytes_per_token for group in backend.cache_groups())
+        tokens = int(_free_memory_bytes(backend.device) * _AUTO_KV_MEMORY_FRACTION) // max(
+            bytes_per_token, 1
+        )
+        # More than every sequence at full length is never needed.
+        tokens = min(tokens, backend.max_model_len * config.max_batch_size)
+    return max(1, -(-tokens // config.block_size))
+
+
+def _free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

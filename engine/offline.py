@@ -1,0 +1,127 @@
+"""The offline Python API: load a model once, generate for a batch of prompts.
+
+    llm = LLM()                                   # the embedded Gemma 3 270M
+    results = llm.generate(["The sky is"], SamplingParams(max_tokens=16, temperature=0))
+    print(results[0].text)
+
+Every prompt becomes one sequence in the same continuous-batching engine the server runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+
+from engine.backends import create_backend
+from engine.device import resolve_device, resolve_dtype
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.model.loader import EMBEDDED_MODEL, load_model
+from engine.request import FinishReason, Sequence, TokenLogprob
+from engine.sampling import InvalidRequestError, SamplingParams
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = EMBEDDED_MODEL,
+        backend: str = "custom",
+        device: str | None = None,
+        dtype: str | None = None,
+        config: EngineConfig = EngineConfig(),
+    ) -> None:
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        loaded = load_model(model, self.dtype)
+        self.model_id = loaded.model_id
+        self.tokenizer = loaded.tokenizer
+        self.engine = LLMEngine(
+            create_backend(backend, loaded, self.device, self.dtype),
+            loaded.tokenizer,
+            eos_token_ids(loaded.config, loaded.tokenizer),
+            config,
+        )
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt (BOS added to text); token-id prompts are checked and kept."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", "prompt")
+            return self.tokenizer(prompt).input_ids
+        if not prompt:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        vocab = self.engine.backend.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        return list(prompt)
+
+    def generate(
+        self,
+        prompts: str | list[int] | SequenceOf[str | list[int]],
+        sampling: SamplingParams | SequenceOf[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        """Generate for every prompt (text or token ids) together; results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise InvalidRequestError("prompts must not be empty", "prompt")
+        params = sampling or SamplingParams()
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise InvalidRequestError("one SamplingParams per prompt, or a single one", "sampling")
+        seqs = []
+        for prompt, p in zip(prompts, params_list):
+            seq = Sequence(self.encode(prompt), p)
+            if seq.num_prompt_tokens + p.max_tokens > self.engine.max_model_len:
+                raise InvalidRequestError(
+                    f"prompt ({seq.num_prompt_tokens} tokens) plus max_tokens ({p.max_tokens}) "
+                    f"exceeds the model's context length {self.engine.max_model_len}",
+                    "max_tokens",
+                )
+            seqs.append(seq)
+        texts: dict[int, list[str]] = {seq.seq_id: [] for seq in seqs}
+        logprobs: dict[int, list[TokenLogprob]] = {seq.seq_id: [] for seq in seqs}
+        for seq in seqs:
+            result = self.engine.add(seq)
+            if not result.accepted:
+                for queued in seqs:
+                    self.engine.abort(queued.seq_id)
+                raise InvalidRequestError(result.message, "prompt")
+        while self.engine.has_work:
+            for seq, out in self.engine.step():
+                if seq.seq_id in texts:
+                    texts[seq.seq_id].append(out.new_text)
+                    logprobs[seq.seq_id].extend(out.logprobs or [])
+        return [
+            GenerationResult(
+                prompt_token_ids=seq.prompt_token_ids,
+                token_ids=list(seq.output_token_ids),
+                text="".join(texts[seq.seq_id]),
+                finish_reason=seq.finish_reason or FinishReason.STOP,
+                logprobs=logprobs[seq.seq_id],
+                num_cached_tokens=seq.num_cached_prompt_tokens,
+            )
+            for seq in seqs
+        ]
+
+
+def eos_token_ids(config, tokenizer) -> set[int]:
+    """Every id that ends generation: the config's eos id(s) and the tokenizer's."""
+    ids: set[int] = set()
+    configured = getattr(config, "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured:
+        ids.update(configured)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
