@@ -1,0 +1,156 @@
+"""Scheduling policies: which waiting sequence is admitted next, and who is charged for service.
+
+The scheduler owns the queues; a policy only orders the waiting queue and keeps whatever
+per-tenant accounting it needs. Policies are chosen by name (`make_policy`):
+
+- "fcfs":     queue order, i.e. arrival order (a preempted sequence goes back to the front).
+              Priority is ignored.
+- "priority": the most urgent first (lowest `Sequence.priority`), then queue order.
+- "vtc":      the Virtual Token Counter of Sheng et al., "Fairness in Serving Large Language
+              Models" (OSDI 2024), Algorithm 2: admit from the backlogged tenant with the
+              smallest counter; within that tenant, most urgent priority first, then queue order.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+from typing import ClassVar
+
+from engine.request import Sequence
+
+
+@dataclass(frozen=True)
+class TokenCost:
+    """The service cost of tokens: w_p per prompt token computed, w_q per output token.
+
+    Output tokens weigh more by default (decoding is the scarcer resource per token),
+    as in the paper's experiments (w_q = 2 w_p).
+    """
+
+    prompt_weight: float = 1.0
+    output_weight: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.prompt_weight < 0 or self.output_weight < 0:
+            raise ValueError(f"token weights must be >= 0, got {self}")
+
+    def __call__(self, num_prompt_tokens: int, num_output_tokens: int) -> float:
+        return self.prompt_weight * num_prompt_tokens + self.output_weight * num_output_tokens
+
+
+class Policy(ABC):
+    """What the scheduler asks a policy. Every hook but `select` defaults to doing nothing."""
+
+    name: ClassVar[str]
+
+    def on_arrival(self, seq: Sequence, waiting: SequenceOf[Sequence]) -> None:
+        """A new request is about to join `waiting` (the queue before it joins).
+
+        Not called when a preempted sequence returns to the queue: that is not new work.
+        """
+
+    @abstractmethod
+    def select(self, waiting: SequenceOf[Sequence]) -> Sequence:
+        """The sequence to admit next from `waiting` (non-empty, in queue order)."""
+
+    def on_admitted(self, seq: Sequence) -> None:
+        """`seq` left the waiting queue to run."""
+
+    def charge(self, tenant: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        """`tenant` is served these tokens in the step being scheduled."""
+
+    def counters(self) -> dict[str, float]:
+        """The policy's per-tenant counters (empty for policies that keep none)."""
+        return {}
+
+
+class FcfsPolicy(Policy):
+    """First come, first served: the head of the queue."""
+
+    name = "fcfs"
+
+    def select(self, waiting: SequenceOf[Sequence]) -> Sequence:
+        return waiting[0]
+
+
+class PriorityPolicy(Policy):
+    """Lowest `priority` value first (most urgent); ties in queue order."""
+
+    name = "priority"
+
+    def select(self, waiting: SequenceOf[Sequence]) -> Sequence:
+        # min() keeps the first of equal keys, so ties stay in queue order.
+        return min(waiting, key=lambda seq: seq.priority)
+
+
+class VtcPolicy(Policy):
+    """Virtual Token Counter (Sheng et al., OSDI 2024, Algorithm 2).
+
+    Each tenant u has a counter c_u, charged w_p per prompt token computed and w_q per
+    output token as they are served. Admission picks the tenant with the smallest counter
+    among those with requests in the waiting queue Q (ties: the tenant whose request is
+    nearest the head of Q), and from it the most urgent request (priority, then queue order).
+
+    Counter lift, exactly as in the paper's monitoring stream: when a request of u arrives
+    and u has no request in Q,
+      - if Q is empty:      c_u <- max(c_u, c_l), l the tenant whose request last left Q;
+      - else:               c_u <- max(c_u, min{c_i : i has a request in Q}).
+    So a tenant that was idle (or only had running requests) banks no credit for that time.
+    Note the rule looks at Q only, not at running requests; a request "leaves Q" here when
+    it is admitted to run (an aborted request leaving Q does not update l).
+    """
+
+    name = "vtc"
+
+    def __init__(self, cost: TokenCost | None = None) -> None:
+        self.cost = cost or TokenCost()
+        self._counters: dict[str, float] = {}
+        self._last_left: str | None = None  # tenant of the request that last left Q
+
+    def counter(self, tenant: str) -> float:
+        return self._counters.get(tenant, 0.0)
+
+    def on_arrival(self, seq: Sequence, waiting: SequenceOf[Sequence]) -> None:
+        tenant = seq.tenant
+        current = self.counter(tenant)
+        self._counters[tenant] = current
+        if any(other.tenant == tenant for other in waiting):
+            return
+        if not waiting:
+            if self._last_left is not None:
+                self._counters[tenant] = max(current, self.counter(self._last_left))
+        else:
+            floor = min(self.counter(other.tenant) for other in waiting)
+            self._counters[tenant] = max(current, floor)
+
+    def select(self, waiting: SequenceOf[Sequence]) -> Sequence:
+        # Tenants in order of their first request in the queue, so ties go to the head.
+        tenants = list(dict.fromkeys(seq.tenant for seq in waiting))
+        tenant = min(tenants, key=self.counter)
+        return min((seq for seq in waiting if seq.tenant == tenant), key=lambda seq: seq.priority)
+
+    def on_admitted(self, seq: Sequence) -> None:
+        self._last_left = seq.tenant
+
+    def charge(self, tenant: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        cost = self.cost(num_prompt_tokens, num_output_tokens)
+        self._counters[tenant] = self.counter(tenant) + cost
+
+    def counters(self) -> dict[str, float]:
+        return dict(self._counters)
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority", "vtc")
+
+
+def make_policy(name: str, cost: TokenCost | None = None) -> Policy:
+    """The policy called `name` ("fcfs", "priority" or "vtc"); `cost` weights vtc's counters."""
+    if name == "fcfs":
+        return FcfsPolicy()
+    if name == "priority":
+        return PriorityPolicy()
+    if name == "vtc":
+        return VtcPolicy(cost)
+    raise ValueError(f"unknown scheduling policy {name!r}; expected one of {SCHEDULING_POLICIES}")

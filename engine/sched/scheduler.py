@@ -1,0 +1,406 @@
+"""The continuous-batching scheduler: admission, iteration-level batching with chunked
+prefill under a token budget, KV-aware preemption, and fairness accounting.
+
+How the engine drives it, once per step:
+
+    result = sched.add(seq)                  # any time; refused requests get a reason
+    out = sched.schedule()                   # what to compute this step
+    ... build the ForwardBatch from out.scheduled (positions start .. start+n-1, slots from
+        the KV manager, which still sees seq.num_computed_tokens == start), run it, sample a
+        token for every item with `samples`, append it to seq.output_token_ids, decide stops
+    sched.update(out, finished={seq_id: reason, ...})   # advance, commit KV, retire
+    sched.abort(seq_id)                      # any time between steps: the client went away
+
+The split: the scheduler advances seq.num_computed_tokens (in update()), commits and frees
+KV blocks, and charges the fairness counters (in schedule(), when the tokens are scheduled);
+the engine appends sampled tokens and says which sequences finished.
+
+Every public method takes one lock, so stats() may be read (and add() or abort() called)
+from another thread while the engine loop runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from engine.kv.manager import KVCacheManager
+from engine.request import FinishReason, Sequence, SequenceStatus
+from engine.sched.admission import AddResult, AdmissionStatus, CompletionRate, InflightCounts
+from engine.sched.output import ScheduledSeq, SchedulerOutput
+from engine.sched.policy import TokenCost, make_policy
+from engine.sched.stats import SchedulerStats, TenantLedger, TenantStats
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str = "vtc"  # "fcfs", "priority" or "vtc"
+    max_num_seqs: int = 32  # most sequences running at once (MAX_BATCH_SIZE)
+    max_num_batched_tokens: int = 512  # token budget of one step: decodes + prefill chunks
+    max_queue_len: int = 256  # waiting requests before add() answers OVERLOADED (MAX_QUEUE_LEN)
+    max_inflight_per_tenant: int | None = None  # accepted, unfinished requests; None: no limit
+    max_inflight_per_session: int | None = None
+    token_cost: TokenCost = field(default_factory=TokenCost)  # w_p, w_q for vtc and the ledger
+    retry_window_s: float = 30.0  # completions counted for the Retry-After estimate
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_inflight_per_tenant", "max_inflight_per_session"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {value}")
+
+
+def _urgency(seq: Sequence) -> tuple[int, float, int]:
+    """Sort key, most urgent first: lower priority value, then earlier arrival."""
+    return (seq.priority, seq.arrival_time, seq.seq_id)
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which sequences the model computes.
+
+    Each schedule():
+      1. Running sequences, most urgent first (lower priority value, then earlier arrival):
+         every decode gets 1 token, then sequences still prefilling get a chunk of what is
+         left of the step's token budget (max_num_batched_tokens).
+      2. Freed capacity is filled from the waiting queue in the policy's order, each new
+         sequence getting a prefill chunk from the remaining budget, until max_num_seqs
+         run, the budget is spent, or the policy's pick does not fit the KV cache (then
+         admission stops for this step, so a large request is not starved by smaller ones).
+    A long prompt is thus prefilled over several steps and never delays anyone's next token.
+
+    Preemption rule: a running sequence's prefill chunk shrinks to the KV blocks free; when
+    not even one of its tokens fits, the least urgent running sequence not yet scheduled in
+    this step -- the largest priority value, then the latest arrival (then the larger seq
+    id) -- is preempted, possibly the sequence itself; repeat until something fits or the
+    sequence was the victim.
+    Decodes are visited before prefill chunks, so a decode never loses its blocks to a chunk.
+    A preempted sequence frees its blocks, restarts from num_computed_tokens = 0 (its
+    prompt and output are recomputed later, helped by the prefix cache), counts one more
+    num_preemptions and goes back to the front of the waiting queue. It is never dropped.
+    Waiting sequences never preempt running ones.
+
+    Fairness accounting: a sequence's tenant is charged w_p for each prompt token computed
+    for the first time (prefix-cache hits and recomputation after preemption are free) and
+    w_q for each token sampled, when the step is scheduled.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.policy = make_policy(config.policy, config.token_cost)
+        self._clock = clock
+        self._lock = threading.RLock()
+        self.waiting: list[Sequence] = []  # queue order; preempted sequences re-enter at the front
+        self.running: list[Sequence] = []
+        self._seqs: dict[int, Sequence] = {}  # accepted and not retired, by seq id
+        self._charged_upto: dict[int, int] = {}  # seq id -> positions already charged
+        self._finished_ids: list[int] = []  # retired since the last schedule()
+        self._inflight = InflightCounts()
+        self._completions = CompletionRate(window_s=config.retry_window_s)
+        self.ledger = TenantLedger(config.token_cost)
+        self.num_preemptions = 0
+        self.num_finished = 0
+        self.num_aborted = 0
+        self.rejected: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ capacity
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole KV cache holds (one group's blocks times the block size)."""
+        return self.kv.num_total_blocks * self.kv.block_size
+
+    def kv_tokens_needed(self, seq: Sequence) -> int:
+        """The most KV seq can hold at once: prompt + max_tokens - 1 (the last sampled
+        token is never computed), or, under a per-session eviction budget, that budget
+        plus one step's chunk (eviction trims after each step)."""
+        need = seq.num_prompt_tokens + seq.sampling.max_tokens - 1
+        if seq.eviction_policy != "none" and seq.max_kv_tokens is not None:
+            need = min(need, seq.max_kv_tokens + self.config.max_num_batched_tokens)
+        return need
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, seq: Sequence) -> AddResult:
+        """Offer a new sequence. Accepted ones join the waiting queue and will finish or
+        be aborted; refused ones say why, with a Retry-After hint where retrying helps."""
+        with self._lock:
+            if seq.seq_id in self._seqs:
+                raise ValueError(f"sequence {seq.seq_id} was already added")
+            if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens != 0:
+                raise ValueError(f"sequence {seq.seq_id} is not a fresh waiting sequence")
+            result = self._admission_check(seq)
+            if not result.accepted:
+                self.rejected[result.status.value] += 1
+                return result
+            self.policy.on_arrival(seq, self.waiting)
+            self.waiting.append(seq)
+            self._seqs[seq.seq_id] = seq
+            self._inflight.add(seq)
+            return result
+
+    def abort(self, seq_id: int) -> bool:
+        """Retire a waiting or running sequence at once (FinishReason.ABORT), freeing its
+        blocks. False if it is unknown or already retired. If it is in the step being run,
+        update() skips it."""
+        return self.finish(seq_id, FinishReason.ABORT)
+
+    def finish(self, seq_id: int, reason: FinishReason) -> bool:
+        """Retire a sequence with `reason`: free its KV blocks, drop it from the queues.
+        False if it is unknown or already retired."""
+        with self._lock:
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                return False
+            self._retire(seq, reason)
+            return True
+
+    def get(self, seq_id: int) -> Sequence | None:
+        with self._lock:
+            return self._seqs.get(seq_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def has_work(self) -> bool:
+        """True while any accepted sequence is unfinished."""
+        return bool(self._seqs)
+
+    # ------------------------------------------------------------------ the step
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step: decodes, then prefill chunks, then admissions (see the class doc)."""
+        with self._lock:
+            out = SchedulerOutput(finished=self._finished_ids)
+            self._finished_ids = []
+            budget = self.config.max_num_batched_tokens
+            by_urgency = sorted(self.running, key=_urgency)
+            decodes = [s for s in by_urgency if self._remaining(s) == 1]
+            prefills = [s for s in by_urgency if self._remaining(s) > 1]
+            pending = {s.seq_id: s for s in by_urgency}  # running, not yet scheduled this step
+            for seq in decodes + prefills:
+                if budget == 0:
+                    break
+                if seq.seq_id not in pending:
+                    continue  # preempted earlier in this step
+                wanted = min(self._remaining(seq), budget)
+                num_new = self._allocate_or_preempt(seq, wanted, pending, out)
+                if num_new == 0:
+                    continue  # seq itself was preempted
+                del pending[seq.seq_id]
+                self._add_to_step(out, seq, num_new)
+                budget -= num_new
+            while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+                num_new = self._admit(self.policy.select(self.waiting), budget, out)
+                if num_new == 0:
+                    break
+                budget -= num_new
+            return out
+
+    def update(
+        self, output: SchedulerOutput, finished: Mapping[int, FinishReason] | None = None
+    ) -> None:
+        """After the engine ran `output` and appended the sampled tokens: advance every
+        scheduled sequence's num_computed_tokens, commit its KV blocks, then retire the
+        sequences in `finished` (seq id -> reason). Sequences aborted meanwhile are skipped."""
+        with self._lock:
+            for item in output.scheduled:
+                seq = item.seq
+                if self._seqs.get(seq.seq_id) is not seq:
+                    continue  # aborted after schedule()
+                seq.num_computed_tokens = item.start + item.num_new_tokens
+                self.kv.commit(seq)
+            for seq_id, reason in (finished or {}).items():
+                self.finish(seq_id, reason)
+
+    # ------------------------------------------------------------------ statistics
+
+    def stats(self) -> SchedulerStats:
+        """A snapshot: queue lengths, preemptions, refusals, per-tenant service and counters."""
+        with self._lock:
+            counters = self.policy.counters()
+            tenants: dict[str, TenantStats] = {}
+            names = set(self.ledger.tenants) | set(counters)
+            names |= {seq.tenant for seq in self._seqs.values()}
+            for name in sorted(names):
+                usage = self.ledger.tenants.get(name)
+                tenants[name] = TenantStats(
+                    running=sum(s.tenant == name for s in self.running),
+                    waiting=sum(s.tenant == name for s in self.waiting),
+                    prompt_tokens=usage.prompt_tokens if usage else 0,
+                    output_tokens=usage.output_tokens if usage else 0,
+                    service=usage.service if usage else 0.0,
+                    counter=counters.get(name) if counters else None,
+                )
+            return SchedulerStats(
+                policy=self.policy.name,
+                num_running=len(self.running),
+                num_waiting=len(self.waiting),
+                num_preemptions=self.num_preemptions,
+                num_finished=self.num_finished,
+                num_aborted=self.num_aborted,
+                rejected=dict(self.rejected),
+                kv_usage=self.kv.usage,
+                completions_per_s=self._completions.per_second(self._clock()),
+                tenants=tenants,
+            )
+
+    # ------------------------------------------------------------------ internals
+
+    def _admission_check(self, seq: Sequence) -> AddResult:
+        need, capacity = self.kv_tokens_needed(seq), self.kv_capacity_tokens
+        if need > capacity:
+            return AddResult(
+                AdmissionStatus.TOO_LARGE,
+                f"the request needs up to {need} tokens of KV cache (prompt of "
+                f"{seq.num_prompt_tokens} tokens, max_tokens {seq.sampling.max_tokens}) but the "
+                f"server holds at most {capacity}; shorten the prompt or lower max_tokens",
+            )
+        limit = self.config.max_inflight_per_tenant
+        if limit is not None and self._inflight.by_tenant[seq.tenant] >= limit:
+            return self._refuse(
+                AdmissionStatus.LIMITED,
+                f"tenant {seq.tenant!r} already has {limit} requests in flight (the limit)",
+            )
+        limit = self.config.max_inflight_per_session
+        if (
+            limit is not None
+            and seq.session_id is not None
+            and self._inflight.by_session[seq.session_id] >= limit
+        ):
+            return self._refuse(
+                AdmissionStatus.LIMITED,
+                f"session {seq.session_id!r} already has {limit} requests in flight (the limit)",
+            )
+        if len(self.waiting) >= self.config.max_queue_len:
+            return self._refuse(
+                AdmissionStatus.OVERLOADED,
+                f"the server is overloaded: {len(self.waiting)} requests are waiting (the limit)",
+            )
+        return AddResult(AdmissionStatus.ACCEPTED)
+
+    def _refuse(self, status: AdmissionStatus, message: str) -> AddResult:
+        return AddResult(status, message, self._completions.retry_after_s(self._clock()))
+
+    @staticmethod
+    def _remaining(seq: Sequence) -> int:
+        """Tokens of seq whose K/V is not computed yet; 1 means a decode."""
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if remaining < 1:
+            raise RuntimeError(
+                f"sequence {seq.seq_id} has nothing to compute: the engine must append the "
+                "sampled token before update()"
+            )
+        return remaining
+
+    def _allocate_or_preempt(
+        self, seq: Sequence, wanted: int, pending: dict[int, Sequence], out: SchedulerOutput
+    ) -> int:
+        """Get KV blocks for up to `wanted` next tokens of a running seq: a prefill chunk
+        shrinks to what fits; only when not even one token fits is a sequence preempted (by
+        the class's rule) and the fit retried. Returns the tokens granted, 0 when seq itself
+        was preempted."""
+        while True:
+            num_new = self._largest_fit(seq, wanted)
+            if num_new and self.kv.allocate(seq, num_new):
+                return num_new
+            victim = max(pending.values(), key=_urgency)
+            del pending[victim.seq_id]
+            self._preempt(victim, out)
+            if victim is seq:
+                return 0
+
+    def _largest_fit(self, seq: Sequence, wanted: int) -> int:
+        """The most tokens, up to `wanted`, the KV manager can give seq now (0 if none)."""
+        if self.kv.can_allocate(seq, wanted):
+            return wanted
+        low, high = 0, wanted - 1  # the answer lies in [low, high]; blocks grow with tokens
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.kv.can_allocate(seq, mid):
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.running.remove(seq)
+        self.waiting.insert(0, seq)
+        out.preempted.append(seq.seq_id)
+        self.num_preemptions += 1
+
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """Move seq from waiting to running with a first chunk of at most `budget` tokens.
+        Returns the chunk size, or 0 (changing nothing) when its blocks do not fit."""
+        if self.kv.num_free_blocks == 0:
+            return 0  # every step computes at least one token into a fresh or copied block
+        cached_before = seq.num_cached_prompt_tokens
+        self.kv.match_prefix(seq)
+        if seq.num_preemptions:
+            # A recompute hits the sequence's own blocks; report the first admission's hit.
+            seq.num_cached_prompt_tokens = cached_before
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if not self.kv.allocate(seq, num_new):
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
+            seq.num_cached_prompt_tokens = cached_before
+            return 0
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.policy.on_admitted(seq)
+        self._add_to_step(out, seq, num_new)
+        return num_new
+
+    def _add_to_step(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        """Record seq's chunk in the step and charge its tenant for the new service."""
+        start = seq.num_computed_tokens
+        end = start + num_new
+        samples = end == seq.num_tokens
+        charged = self._charged_upto.get(seq.seq_id, 0)
+        new_prompt = max(0, min(end, seq.num_prompt_tokens) - max(start, charged))
+        self._charged_upto[seq.seq_id] = max(charged, end)
+        new_output = 1 if samples else 0
+        if new_prompt or new_output:
+            self.policy.charge(seq.tenant, new_prompt, new_output)
+            self.ledger.charge(seq.tenant, new_prompt, new_output)
+        out.scheduled.append(ScheduledSeq(seq, start, num_new, samples))
+
+    def _retire(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._seqs[seq.seq_id]
+        self._charged_upto.pop(seq.seq_id, None)
+        self._inflight.remove(seq)
+        self._finished_ids.append(seq.seq_id)
+        self._completions.record(self._clock())
+        if reason is FinishReason.ABORT:
+            self.num_aborted += 1
+        else:
+            self.num_finished += 1
