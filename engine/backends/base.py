@@ -7,11 +7,14 @@ KV storage, and turns one ForwardBatch into next-token logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from engine.model.batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from engine.kv.manager import BlockCopy
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,10 @@ class InferenceBackend(Protocol):
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Preallocate num_blocks blocks of block_size tokens for every group."""
+        ...
+
+    def copy_blocks(self, copies: list[BlockCopy]) -> None:
+        """Copy-on-write: duplicate each (group, src, dst) block before the next forward."""
         ...
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:

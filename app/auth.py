@@ -1,0 +1,38 @@
+"""Who is calling: API-key auth, the tenant for fairness and the session for KV reuse.
+
+With API_KEYS set, every /v1 call needs `Authorization: Bearer <key>`; the key's name is the
+tenant. Without keys, the OpenAI `user` field (else a default tenant) is the tenant. The
+session is `X-Session-Id`, else `user`.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Mapping
+
+from app.generation import Identity
+from compat.errors import invalid_api_key, missing_api_key
+from engine.request import DEFAULT_TENANT
+
+
+def tenant_for_key(api_keys: Mapping[str, str], authorization: str | None) -> str | None:
+    """The tenant named by a valid bearer key; None when auth is off. Raises ApiError 401."""
+    if not api_keys:
+        return None
+    if not authorization:
+        raise missing_api_key()
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise missing_api_key()
+    token = token.strip()
+    for key, tenant in api_keys.items():
+        if hmac.compare_digest(key.encode(), token.encode()):  # constant time
+            return tenant
+    raise invalid_api_key()
+
+
+def identity_for(
+    key_tenant: str | None, user: str | None = None, session_header: str | None = None
+) -> Identity:
+    """The key's tenant, else the `user` field, else the default; session from the header or user."""
+    return Identity(tenant=key_tenant or user or DEFAULT_TENANT, session_id=session_header or user)

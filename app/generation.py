@@ -1,0 +1,380 @@
+"""From a validated OpenAI request to engine sequences and back to OpenAI responses.
+
+Transport-agnostic: the HTTP routes and the WebSocket endpoint both use it. Each prompt x n
+choices becomes one engine sequence; their outputs are merged into one response, or one stream
+of chunks in OpenAI's exact order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from msgspec import UNSET
+
+from compat.chat_template import GEMMA_END_OF_TURN, render_chat_prompt
+from compat.engine_mapping import check_token_ids, to_sampling_params
+from compat.errors import ApiError, invalid_value, rate_limited
+from compat.logprobs import chat_logprobs, completion_logprobs
+from compat.request_types import ChatCompletionRequest, CompletionRequest
+from compat.response_types import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatResponseMessage,
+    Completion,
+    CompletionChoice,
+    make_usage,
+    new_chat_completion_id,
+    new_completion_id,
+)
+from engine.async_engine import AsyncEngine, EngineOverloaded, RequestStream, RequestTooLarge
+from engine.request import DEFAULT_TENANT, FinishReason, Sequence, StepOutput, TokenLogprob
+from engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who is asking: the tenant (fairness) and the conversation (session)."""
+
+    tenant: str = DEFAULT_TENANT
+    session_id: str | None = None
+
+
+@dataclass
+class PreparedPrompt:
+    token_ids: list[int]
+    text: str  # for echo
+    sampling: SamplingParams
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    index: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    def add(self, out: StepOutput) -> None:
+        self.text.append(out.new_text)
+        self.token_ids.extend(out.new_token_ids)
+        self.logprobs.extend(out.logprobs or [])
+        self.prompt_tokens = out.num_prompt_tokens
+        self.cached_tokens = out.num_cached_tokens
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+
+def openai_finish_reason(reason: FinishReason | None) -> str:
+    return "length" if reason is FinishReason.LENGTH else "stop"
+
+
+class GenerationService:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_id: str,
+        eviction_policy: str = "none",
+        session_kv_tokens: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.model_id = model_id
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.vocab_size = engine.engine.backend.vocab_size
+        self.eviction_policy = eviction_policy
+        self.session_kv_tokens = session_kv_tokens
+        end_of_turn = self.tokenizer.convert_tokens_to_ids(GEMMA_END_OF_TURN)
+        unk = self.tokenizer.unk_token_id
+        self.chat_stop_ids = [end_of_turn] if end_of_turn not in (None, unk) else []
+
+    # ------------------------------------------------------------------ preparing
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_id:
+            raise ApiError(
+                f"The model `{model}` does not exist.", status=404, param="model",
+                code="model_not_found",
+            )  # fmt: skip
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer(text).input_ids
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def prepare_completion(self, req: CompletionRequest) -> list[PreparedPrompt]:
+        self.check_model(req.model)
+        prepared = []
+        for i, prompt in enumerate(req.prompts()):
+            if isinstance(prompt, str):
+                ids, text = self.encode_text(prompt), prompt
+            else:
+                check_token_ids(prompt, self.vocab_size, f"prompt[{i}]" if i else "prompt")
+                ids, text = list(prompt), self.tokenizer.decode(prompt)
+            sampling = to_sampling_params(
+                req, num_prompt_tokens=len(ids), max_model_len=self.max_model_len,
+                vocab_size=self.vocab_size,
+            )  # fmt: skip
+            prepared.append(PreparedPrompt(ids, text, sampling))
+        return prepared
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> PreparedPrompt:
+        self.check_model(req.model)
+        text = render_chat_prompt(req.messages, self.tokenizer)
+        ids = self.encode_text(text)
+        sampling = to_sampling_params(
+            req, num_prompt_tokens=len(ids), max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size, extra_stop_token_ids=self.chat_stop_ids,
+        )  # fmt: skip
+        return PreparedPrompt(ids, text, sampling)
+
+    # ------------------------------------------------------------------ running
+
+    def submit(
+        self,
+        prompts: list[PreparedPrompt],
+        n: int,
+        identity: Identity,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> list[RequestStream]:
+        """Submit every prompt x n choices; all or none are admitted (429/400 otherwise)."""
+        streams: list[RequestStream] = []
+        try:
+            for prompt in prompts:
+                for _ in range(n):
+                    seq = Sequence(
+                        prompt.token_ids,
+                        prompt.sampling,
+                        request_id=uuid.uuid4().hex,
+                        tenant=identity.tenant,
+                        session_id=identity.session_id,
+                        priority=priority,
+                        cache_salt=cache_salt,
+                        eviction_policy=self.eviction_policy,
+                        max_kv_tokens=self.session_kv_tokens
+                        if self.eviction_policy != "none"
+                        else None,
+                    )
+                    streams.append(self.engine.submit(seq))
+        except EngineOverloaded as exc:
+            for stream in streams:
+                stream.abort()
+            raise rate_limited(str(exc), exc.retry_after_s) from None
+        except RequestTooLarge as exc:
+            for stream in streams:
+                stream.abort()
+            raise invalid_value("max_tokens", str(exc)) from None
+        return streams
+
+    async def merged(
+        self, streams: list[RequestStream]
+    ) -> AsyncIterator[tuple[int, StepOutput]]:
+        """(choice index, output) from all streams as they arrive; aborts all on exit."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    await queue.put((index, out))
+            except Exception as exc:  # surfaced to the consumer below
+                await queue.put((index, exc))
+            await queue.put((index, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        remaining = len(streams)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise ApiError(str(item), status=500, code="internal_error")
+                else:
+                    yield index, item
+        finally:
+            for stream in streams:
+                stream.abort()
+            for task in tasks:
+                task.cancel()
+
+    # ------------------------------------------------------------------ /v1/completions
+
+    async def completion(self, req: CompletionRequest, identity: Identity) -> Completion:
+        prompts = self.prepare_completion(req)
+        n = req.num_choices
+        streams = self.submit(
+            prompts, n, identity, priority=req.priority or 0, cache_salt=req.cache_salt
+        )
+        choices = [ChoiceState(i) for i in range(len(streams))]
+        async for index, out in self.merged(streams):
+            choices[index].add(out)
+        return Completion(
+            id=new_completion_id(),
+            created=int(time.time()),
+            model=self.model_id,
+            choices=[
+                CompletionChoice(
+                    index=c.index,
+                    text=(prompts[c.index // n].text if req.echo else "") + "".join(c.text),
+                    logprobs=completion_logprobs(c.logprobs, self.token_text)
+                    if req.logprobs is not None
+                    else None,
+                    finish_reason=openai_finish_reason(c.finish_reason),
+                )
+                for c in choices
+            ],
+            usage=_usage(choices, n),
+        )
+
+    async def completion_stream(
+        self, req: CompletionRequest, identity: Identity
+    ) -> AsyncIterator[Completion]:
+        """Validate and admit now (errors raise before anything is sent), then stream."""
+        prompts = self.prepare_completion(req)
+        n = req.num_choices
+        streams = self.submit(
+            prompts, n, identity, priority=req.priority or 0, cache_salt=req.cache_salt
+        )
+        return self._completion_chunks(req, prompts, n, streams)
+
+    async def _completion_chunks(
+        self, req: CompletionRequest, prompts: list[PreparedPrompt], n: int,
+        streams: list[RequestStream],
+    ) -> AsyncIterator[Completion]:  # fmt: skip
+        completion_id, created = new_completion_id(), int(time.time())
+        choices = [ChoiceState(i) for i in range(len(streams))]
+        offsets = [0] * len(streams)
+
+        def chunk(choice: CompletionChoice) -> Completion:
+            return Completion(
+                id=completion_id, created=created, model=self.model_id, choices=[choice],
+                usage=None if req.include_usage else UNSET,
+            )  # fmt: skip
+
+        if req.echo:
+            for i in range(len(streams)):
+                text = prompts[i // n].text
+                offsets[i] = len(text)
+                yield chunk(CompletionChoice(index=i, text=text))
+        async for index, out in self.merged(streams):
+            state = choices[index]
+            state.add(out)
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(out.logprobs or [], self.token_text, offsets[index])
+            offsets[index] += len(out.new_text)
+            if out.new_text or out.finished or logprobs is not None:
+                yield chunk(
+                    CompletionChoice(
+                        index=index,
+                        text=out.new_text,
+                        logprobs=logprobs,
+                        finish_reason=openai_finish_reason(out.finish_reason)
+                        if out.finished
+                        else None,
+                    )
+                )
+        if req.include_usage:
+            yield Completion(
+                id=completion_id, created=created, model=self.model_id, choices=[],
+                usage=_usage(choices, n),
+            )  # fmt: skip
+
+    # ------------------------------------------------------------------ /v1/chat/completions
+
+    async def chat(self, req: ChatCompletionRequest, identity: Identity) -> ChatCompletion:
+        prompt = self.prepare_chat(req)
+        n = req.num_choices
+        streams = self.submit(
+            [prompt], n, identity, priority=req.priority or 0, cache_salt=req.cache_salt
+        )
+        choices = [ChoiceState(i) for i in range(n)]
+        async for index, out in self.merged(streams):
+            choices[index].add(out)
+        return ChatCompletion(
+            id=new_chat_completion_id(),
+            created=int(time.time()),
+            model=self.model_id,
+            choices=[
+                ChatChoice(
+                    index=c.index,
+                    message=ChatResponseMessage(content="".join(c.text)),
+                    logprobs=chat_logprobs(c.logprobs, self.token_text)
+                    if req.logprobs
+                    else None,
+                    finish_reason=openai_finish_reason(c.finish_reason),
+                )
+                for c in choices
+            ],
+            usage=_usage(choices, n),
+        )
+
+    async def chat_stream(
+        self, req: ChatCompletionRequest, identity: Identity
+    ) -> AsyncIterator[ChatCompletionChunk]:
+        """Validate and admit now (errors raise before anything is sent), then stream."""
+        prompt = self.prepare_chat(req)
+        n = req.num_choices
+        streams = self.submit(
+            [prompt], n, identity, priority=req.priority or 0, cache_salt=req.cache_salt
+        )
+        return self._chat_chunks(req, n, streams)
+
+    async def _chat_chunks(
+        self, req: ChatCompletionRequest, n: int, streams: list[RequestStream]
+    ) -> AsyncIterator[ChatCompletionChunk]:
+        chunk_id, created = new_chat_completion_id(), int(time.time())
+        choices = [ChoiceState(i) for i in range(n)]
+
+        def chunk(choice: ChatChunkChoice) -> ChatCompletionChunk:
+            return ChatCompletionChunk(
+                id=chunk_id, created=created, model=self.model_id, choices=[choice],
+                usage=None if req.include_usage else UNSET,
+            )  # fmt: skip
+
+        for i in range(n):
+            yield chunk(ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")))
+        async for index, out in self.merged(streams):
+            choices[index].add(out)
+            logprobs = chat_logprobs(out.logprobs or [], self.token_text) if req.logprobs else None
+            if out.new_text or logprobs is not None:
+                yield chunk(
+                    ChatChunkChoice(
+                        index=index, delta=ChatDelta(content=out.new_text), logprobs=logprobs
+                    )
+                )
+            if out.finished:
+                yield chunk(
+                    ChatChunkChoice(
+                        index=index,
+                        delta=ChatDelta(),
+                        finish_reason=openai_finish_reason(out.finish_reason),
+                    )
+                )
+        if req.include_usage:
+            yield ChatCompletionChunk(
+                id=chunk_id, created=created, model=self.model_id, choices=[],
+                usage=_usage(choices, n),
+            )  # fmt: skip
+
+
+def _usage(choices: list[ChoiceState], n: int):
+    """Prompt tokens count once per prompt (not per choice), as OpenAI reports them."""
+    prompt_tokens = sum(c.prompt_tokens for c in choices[::n])
+    cached = sum(c.cached_tokens for c in choices[::n])
+    completion_tokens = sum(len(c.token_ids) for c in choices)
+    return make_usage(prompt_tokens, completion_tokens, cached)
+

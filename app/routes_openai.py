@@ -1,0 +1,138 @@
+"""The OpenAI-compatible HTTP routes: models, completions, chat completions, tokenize."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import msgspec
+from litestar import Request, Response, get, post
+from litestar.response import Stream
+
+from app.auth import identity_for, tenant_for_key
+from app.server import ServerState
+from compat.chat_template import render_chat_prompt
+from compat.engine_mapping import check_token_ids
+from compat.request_types import (
+    decode_chat_completion_request,
+    decode_completion_request,
+    decode_detokenize_request,
+    decode_tokenize_request,
+)
+from compat.response_types import (
+    DetokenizeResponse,
+    Model,
+    ModelList,
+    TokenizeResponse,
+)
+from compat.sse import SSE_DONE, sse_event
+
+JSON = "application/json"
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def _json(payload: object, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(payload), status_code=status, media_type=JSON)
+
+
+def _authorize(request: Request) -> str | None:
+    """The tenant named by the request's API key (None when auth is off); 401 otherwise."""
+    return tenant_for_key(_state(request).settings.api_keys, request.headers.get("authorization"))
+
+
+async def _sse(chunks: AsyncIterator[object]) -> AsyncIterator[bytes]:
+    async for chunk in chunks:
+        yield sse_event(chunk)
+    yield SSE_DONE
+
+
+def _sse_response(chunks: AsyncIterator[object]) -> Stream:
+    return Stream(
+        _sse(chunks),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+@get("/v1/models")
+async def list_models(request: Request) -> Response:
+    _authorize(request)
+    state = _state(request)
+    model = Model(
+        id=state.model_id,
+        created=state.created,
+        owned_by="gemma-serve",
+        max_model_len=state.service.max_model_len,
+    )
+    return _json(ModelList(data=[model]))
+
+
+@get("/v1/models/{model_id:path}")
+async def retrieve_model(request: Request, model_id: str) -> Response:
+    _authorize(request)
+    state = _state(request)
+    state.service.check_model(model_id.lstrip("/"))
+    return _json(
+        Model(
+            id=state.model_id, created=state.created, owned_by="gemma-serve",
+            max_model_len=state.service.max_model_len,
+        )
+    )  # fmt: skip
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request) -> Response | Stream:
+    state = _state(request)
+    key_tenant = _authorize(request)
+    req = decode_completion_request(await request.body())
+    identity = identity_for(key_tenant, req.user, request.headers.get("x-session-id"))
+    if req.is_stream:
+        return _sse_response(await state.service.completion_stream(req, identity))
+    return _json(await state.service.completion(req, identity))
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request) -> Response | Stream:
+    state = _state(request)
+    key_tenant = _authorize(request)
+    req = decode_chat_completion_request(await request.body())
+    identity = identity_for(key_tenant, req.user, request.headers.get("x-session-id"))
+    if req.is_stream:
+        return _sse_response(await state.service.chat_stream(req, identity))
+    return _json(await state.service.chat(req, identity))
+
+
+@post("/tokenize", status_code=200)
+async def tokenize(request: Request) -> Response:
+    _authorize(request)
+    service = _state(request).service
+    req = decode_tokenize_request(await request.body())
+    if req.model is not None:
+        service.check_model(req.model)
+    if req.messages is not None:
+        text = render_chat_prompt(
+            req.messages, service.tokenizer, add_generation_prompt=req.add_generation_prompt
+        )
+    else:
+        text = req.prompt or ""
+    ids = service.tokenizer(text, add_special_tokens=req.add_special_tokens).input_ids
+    response = TokenizeResponse(count=len(ids), max_model_len=service.max_model_len, tokens=ids)
+    if req.return_token_strs:
+        response.token_strs = service.tokenizer.convert_ids_to_tokens(ids)
+    return _json(response)
+
+
+@post("/detokenize", status_code=200)
+async def detokenize(request: Request) -> Response:
+    _authorize(request)
+    service = _state(request).service
+    req = decode_detokenize_request(await request.body())
+    if req.model is not None:
+        service.check_model(req.model)
+    check_token_ids(req.tokens, service.vocab_size, "tokens")
+    return _json(DetokenizeResponse(prompt=service.tokenizer.decode(req.tokens)))
+
+
+ROUTES = [list_models, retrieve_model, completions, chat_completions, tokenize, detokenize]

@@ -1,0 +1,39 @@
+"""Operational routes: health, Prometheus metrics, the dashboard's JSON snapshot."""
+
+from __future__ import annotations
+
+import msgspec
+from litestar import Request, Response, get
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from app.server import ServerState
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+@get("/health")
+async def health(request: Request) -> Response:
+    engine = _state(request).engine
+    if engine.is_healthy:
+        return Response(b'{"status":"ok"}', media_type="application/json")
+    return Response(b'{"status":"unavailable"}', status_code=503, media_type="application/json")
+
+
+@get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    state.metrics.update_gauges(state.engine.gauges())
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@get("/api/metrics")
+async def metrics_json(request: Request) -> Response:
+    state = _state(request)
+    snapshot = state.engine.snapshot()
+    snapshot["model"] = state.model_id
+    return Response(msgspec.json.encode(snapshot), media_type="application/json")
+
+
+ROUTES = [health, metrics, metrics_json]

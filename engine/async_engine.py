@@ -1,0 +1,242 @@
+"""The asyncio-facing engine: `submit()` returns an async stream of outputs while the step
+loop runs on its own thread, so serving HTTP never waits on a forward pass.
+
+Admission happens at once on the caller's thread (the scheduler is locked briefly), so a
+refusal can become an HTTP 429 before anything is streamed. Aborts are queued and applied by
+the engine thread between steps, where it is safe to free blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import structlog
+
+from engine.llm_engine import LLMEngine
+from engine.metrics import EngineGauges, ServingMetrics
+from engine.request import FinishReason, Sequence, StepOutput
+from engine.sched.admission import AddResult, AdmissionStatus
+
+log = structlog.get_logger(__name__)
+
+
+class EngineOverloaded(RuntimeError):
+    """The engine refused a request for now; retry after `retry_after_s` seconds."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestTooLarge(ValueError):
+    """The request can never fit the KV cache."""
+
+
+@dataclass
+class _Tracked:
+    seq: Sequence
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+
+
+class RequestStream:
+    """Async iterator over one request's StepOutputs; ends after the finished one."""
+
+    def __init__(self, engine: AsyncEngine, tracked: _Tracked) -> None:
+        self._engine = engine
+        self._tracked = tracked
+        self.seq = tracked.seq
+
+    def __aiter__(self) -> AsyncIterator[StepOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[StepOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await self._tracked.outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # the consumer went away: free the request's blocks
+                self._engine.abort(self.seq.request_id)
+
+    def abort(self) -> None:
+        self._engine.abort(self.seq.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: ServingMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._tracked: dict[str, _Tracked] = {}
+        self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._accepting = True
+        self._thread: threading.Thread | None = None
+        self.last_error: BaseException | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, grace_s: float = 10.0) -> None:
+        """Stop admitting, let in-flight requests finish for up to grace_s, abort the rest."""
+        self._accepting = False
+        deadline = time.monotonic() + grace_s
+        while self._tracked and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._tracked):
+            self.abort(request_id)
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 5.0)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._accepting and self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, seq: Sequence) -> RequestStream:
+        """Admit `seq` (its request_id must be unique) and stream its outputs.
+
+        Raises EngineOverloaded (queue full, tenant/session limit, shutting down) or
+        RequestTooLarge (can never fit the KV cache)."""
+        if not self._accepting:
+            raise EngineOverloaded("the server is shutting down", retry_after_s=5)
+        if seq.request_id in self._tracked:
+            raise ValueError(f"duplicate request id {seq.request_id!r}")
+        tracked = _Tracked(seq, asyncio.get_running_loop(), asyncio.Queue())
+        self._tracked[seq.request_id] = tracked
+        result: AddResult = self.engine.add(seq)
+        if not result.accepted:
+            del self._tracked[seq.request_id]
+            if result.status is AdmissionStatus.TOO_LARGE:
+                raise RequestTooLarge(result.message)
+            raise EngineOverloaded(result.message, result.retry_after_s or 1)
+        self._wake.set()
+        return RequestStream(self, tracked)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its blocks are freed before the next step."""
+        if request_id in self._tracked:
+            self._aborts.put(request_id)
+            self._wake.set()
+
+    # ------------------------------------------------------------------ statistics
+
+    def gauges(self) -> EngineGauges:
+        stats = self.engine.scheduler.stats()
+        prefix = self.engine.kv.stats()["prefix_cache"]
+        return EngineGauges(
+            running=stats.num_running,
+            waiting=stats.num_waiting,
+            kv_usage=stats.kv_usage,
+            prefix_queries=prefix["query_tokens"],
+            prefix_hits=prefix["hit_tokens"],
+            preemptions=stats.num_preemptions,
+            tenant_counters={
+                name: t.counter for name, t in stats.tenants.items() if t.counter is not None
+            },
+            tenant_tokens={
+                name: t.prompt_tokens + t.output_tokens for name, t in stats.tenants.items()
+            },
+        )
+
+    def snapshot(self) -> dict:
+        """Everything the dashboard shows: latency windows, scheduler and KV state."""
+        return {
+            "metrics": self.metrics.snapshot(),
+            "scheduler": self.engine.scheduler.stats().to_dict(),
+            "kv": self.engine.kv.stats(),
+            "steps": self.engine.num_steps,
+        }
+
+    # ------------------------------------------------------------------ the loop
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._apply_aborts()
+            if not self.engine.has_work:
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bug or device failure: fail in-flight requests, keep serving
+                log.exception("engine step failed")
+                self.last_error = exc
+                self._fail_all(exc)
+                continue
+            self._deliver(outputs)
+        self._apply_aborts()
+
+    def _apply_aborts(self) -> None:
+        while True:
+            try:
+                request_id = self._aborts.get_nowait()
+            except queue.Empty:
+                return
+            tracked = self._tracked.pop(request_id, None)
+            if tracked is not None and self.engine.abort(tracked.seq.seq_id):
+                self._push(
+                    tracked,
+                    StepOutput(
+                        request_id, [], "", finished=True, finish_reason=FinishReason.ABORT,
+                        num_prompt_tokens=tracked.seq.num_prompt_tokens,
+                        num_output_tokens=tracked.seq.num_output_tokens,
+                    ),
+                )  # fmt: skip
+                self._record_finish(tracked, FinishReason.ABORT)
+
+    def _deliver(self, outputs: list[tuple[Sequence, StepOutput]]) -> None:
+        now = time.monotonic()
+        generated = 0
+        for seq, out in outputs:
+            tracked = self._tracked.get(seq.request_id)
+            if tracked is None:
+                continue
+            generated += len(out.new_token_ids)
+            if tracked.first_token_at is None:
+                tracked.first_token_at = now
+                self.metrics.record_first_token(now - tracked.arrival)
+            self._push(tracked, out)
+            if out.finished:
+                del self._tracked[seq.request_id]
+                self._record_finish(tracked, out.finish_reason or FinishReason.STOP)
+        self.metrics.record_generated(generated)
+        self.metrics.update_gauges(self.gauges())
+
+    def _record_finish(self, tracked: _Tracked, reason: FinishReason) -> None:
+        now = time.monotonic()
+        self.metrics.record_finished(
+            e2e_s=now - tracked.arrival,
+            ttft_s=None if tracked.first_token_at is None else tracked.first_token_at - tracked.arrival,
+            prompt_tokens=tracked.seq.num_prompt_tokens,
+            output_tokens=tracked.seq.num_output_tokens,
+            finish_reason=reason.value,
+        )
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id, tracked in list(self._tracked.items()):
+            self.engine.abort(tracked.seq.seq_id)
+            self._push(tracked, RuntimeError(f"generation failed: {exc}"))
+            del self._tracked[request_id]
+
+    @staticmethod
+    def _push(tracked: _Tracked, item: StepOutput | BaseException) -> None:
+        tracked.loop.call_soon_threadsafe(tracked.outputs.put_nowait, item)
