@@ -1,0 +1,100 @@
+"""Shared fixtures: a real server (uvicorn in a subprocess on a free port) and the embedded model."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_ID = "gemma-3-270m"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    base_url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def v1(self) -> str:
+        return self.base_url + "/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_server(tmp_dir: Path, **settings: str) -> RunningServer:
+    """Start `uvicorn app.main:app` with the given settings (env vars) and wait for /health."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in _SETTING_NAMES}
+    env.update({"HOST": "127.0.0.1", "PORT": str(port), "MAX_ACTIVE_KV_TOKENS": "32768"})
+    env.update({k: str(v) for k, v in settings.items()})
+    log_path = tmp_dir / f"server-{port}.log"
+    log_file = log_path.open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", str(port)],
+        cwd=tmp_dir,  # no stray .env from the checkout
+        env=env | {"PYTHONPATH": str(ROOT)},
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+    )
+    server = RunningServer(f"http://127.0.0.1:{port}", process, log_path)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited early:\n{server.log()}")
+        try:
+            if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop_server(server)
+    raise RuntimeError(f"server did not become healthy:\n{server.log()}")
+
+
+def stop_server(server: RunningServer) -> None:
+    server.process.terminate()
+    try:
+        server.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+
+
+_SETTING_NAMES = {
+    "MODEL_NAME", "BACKEND", "DEVICE", "DTYPE", "MAX_BATCH_SIZE", "MAX_ACTIVE_KV_TOKENS",
+    "KV_BLOCK_SIZE", "MAX_QUEUE_LEN", "MAX_NUM_BATCHED_TOKENS", "SCHEDULING_POLICY",
+    "EVICTION_POLICY", "SESSION_KV_TOKENS", "PREFIX_CACHING", "API_KEYS", "HOST", "PORT",
+    "LOG_FORMAT", "MAX_BODY_BYTES", "SHUTDOWN_GRACE_S",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """One default server shared by every gateway test that does not need special settings."""
+    running = start_server(tmp_path_factory.mktemp("server"))
+    yield running
+    stop_server(running)
+
+
+@pytest.fixture(scope="session")
+def embedded_model():
+    """The embedded Gemma 3 270M, loaded once per test session (float32)."""
+    from engine.model.loader import load_model
+
+    return load_model()
