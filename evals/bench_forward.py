@@ -1,0 +1,135 @@
+"""Single-stream speed of the forward pass: our `custom` backend vs the `hf` backend (both inside
+our engine) vs transformers' own `generate`, on the embedded model, same prompts, one run.
+
+Prefill tokens/s: prompt tokens / time of the step that computes the whole prompt.
+Decode tokens/s: tokens / time of the following one-token steps.
+
+    python -m evals.bench_forward [--prompt-tokens 256] [--decode-tokens 64] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.backends import create_backend
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.model.loader import load_model
+from engine.offline import eos_token_ids
+from engine.request import Sequence
+from engine.sampling import SamplingParams
+from evals.harness import token_prompt, write_results
+from evals.plots import bar_chart
+
+
+def engine_speed(kind: str, loaded, prompts: list[list[int]], decode_tokens: int) -> dict:
+    backend = create_backend(kind, loaded, torch.device("cpu"), torch.float32)
+    longest = max(len(p) for p in prompts)
+    engine = LLMEngine(
+        backend,
+        loaded.tokenizer,
+        eos_token_ids(loaded.config, loaded.tokenizer),
+        EngineConfig(
+            max_batch_size=1, max_num_batched_tokens=longest, enable_prefix_caching=False,
+            max_active_kv_tokens=longest + decode_tokens + 64,
+        ),
+    )  # fmt: skip
+    def run(prompt: list[int]) -> list[float]:
+        """Seconds of each engine step: the first computes the prompt, the rest decode."""
+        params = SamplingParams(max_tokens=decode_tokens + 1, temperature=0.0, ignore_eos=True)
+        engine.add(Sequence(list(prompt), params))
+        step_times = []
+        while engine.has_work:
+            start = time.perf_counter()
+            engine.step()
+            step_times.append(time.perf_counter() - start)
+        return step_times
+
+    run(prompts[0])  # warm-up
+    prefill_s = decode_s = 0.0
+    prefill_tokens = decode_steps = 0
+    for prompt in prompts:
+        step_times = run(prompt)
+        prefill_s += step_times[0]
+        prefill_tokens += len(prompt)
+        decode_s += sum(step_times[1:])
+        decode_steps += len(step_times) - 1
+    return {
+        "prefill_tok_s": round(prefill_tokens / prefill_s, 1),
+        "decode_tok_s": round(decode_steps / decode_s, 2),
+        "decode_ms_per_token": round(1000 * decode_s / decode_steps, 2),
+    }
+
+
+@torch.inference_mode()
+def generate_speed(loaded, prompts: list[list[int]], decode_tokens: int) -> dict:
+    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict, strict=False)
+    model.tie_weights()
+    model.eval()
+
+    def timed(prompt: list[int], new_tokens: int) -> float:
+        ids = torch.tensor([prompt])
+        start = time.perf_counter()
+        model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens, do_sample=False,
+        )  # fmt: skip
+        return time.perf_counter() - start
+
+    timed(prompts[0], 4)  # warm-up
+    prefill_s = decode_s = 0.0
+    for prompt in prompts:
+        first = timed(prompt, 1)
+        full = timed(prompt, decode_tokens + 1)
+        prefill_s += first
+        decode_s += full - first
+    tokens = sum(len(p) for p in prompts)
+    steps = decode_tokens * len(prompts)
+    return {
+        "prefill_tok_s": round(tokens / prefill_s, 1),
+        "decode_tok_s": round(steps / decode_s, 2),
+        "decode_ms_per_token": round(1000 * decode_s / steps, 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    loaded = load_model()
+    rng = random.Random(0)
+    prompts = [token_prompt(loaded.tokenizer, rng, args.prompt_tokens) for _ in range(args.repeats)]
+    results = {
+        "custom (our forward, engine)": engine_speed("custom", loaded, prompts, args.decode_tokens),
+        "hf (transformers model, engine)": engine_speed("hf", loaded, prompts, args.decode_tokens),
+        "transformers generate": generate_speed(loaded, prompts, args.decode_tokens),
+    }
+    for name, row in results.items():
+        print(f"{name:34s} prefill {row['prefill_tok_s']:8.1f} tok/s   decode "
+              f"{row['decode_tok_s']:6.2f} tok/s ({row['decode_ms_per_token']} ms/token)")  # fmt: skip
+    path = write_results(
+        "bench_forward",
+        {"prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
+         "repeats": args.repeats, "dtype": "float32", "results": results},
+    )  # fmt: skip
+    bar_chart(
+        path.with_suffix(".png"),
+        "Single-stream speed, Gemma 3 270M, float32",
+        {name: row["decode_tok_s"] for name, row in results.items()},
+        "decode tokens/s",
+        {name: row["prefill_tok_s"] for name, row in results.items()},
+        "prefill tokens/s",
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""What every benchmark shares: launching the real server, a streaming client that times each
+request, prompt construction, percentiles, and writing results (JSON + PNG)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "evals" / "results"
+
+# Common English words: prompts built from them tokenize to about one token per word.
+WORDS = (
+    "time year people way day man thing woman life child world school state family student "
+    "group country problem hand part place case week company system program question work "
+    "government number night point home water room mother area money story fact month lot "
+    "right study book eye job word business issue side kind head house service friend father "
+    "power hour game line end member law car city community name president team minute idea "
+    "kid body information back parent face others level office door health person art war "
+    "history party result change morning reason research girl guy moment air teacher force"
+).split()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def running_server(log_path: Path, **settings: object):
+    """Start `python -m app serve` with `settings` as env vars; yield its base URL."""
+    port = free_port()
+    env = dict(os.environ, HOST="127.0.0.1", PORT=str(port), LOG_FORMAT="json")
+    env.update({k: str(v) for k, v in settings.items()})
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "app", "serve"], cwd=ROOT, env=env, stdout=log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 600
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"server exited; see {log_path}")
+                try:
+                    if httpx.get(base + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server not healthy; see {log_path}")
+                time.sleep(0.5)
+            yield base
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+
+
+def make_prompt(rng: random.Random, num_words: int, prefix: str = "") -> str:
+    return prefix + " ".join(rng.choice(WORDS) for _ in range(num_words))
+
+
+def token_prompt(tokenizer, rng: random.Random, num_tokens: int) -> list[int]:
+    """Exactly num_tokens token ids (BOS first) of random words."""
+    ids = tokenizer(make_prompt(rng, num_tokens)).input_ids
+    return ids[:num_tokens]
+
+
+@dataclass
+class RequestTiming:
+    ttft_s: float
+    e2e_s: float
+    output_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+async def stream_completion(
+    client: httpx.AsyncClient, base: str, prompt: str | list[int], max_tokens: int, **extra
+) -> RequestTiming:
+    """One streaming /v1/completions request, timed at the client like a real user."""
+    body = {
+        "model": "gemma-3-270m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **extra,
+    }  # fmt: skip
+    start = time.perf_counter()
+    first = None
+    usage = {}
+    async with client.stream("POST", base + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and first is None:
+                first = time.perf_counter()
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    end = time.perf_counter()
+    return RequestTiming(
+        ttft_s=(first or end) - start,
+        e2e_s=end - start,
+        output_tokens=usage.get("completion_tokens", 0),
+        cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+    )
+
+
+async def closed_loop(
+    base: str, prompts: list[str | list[int]], concurrency: int, max_tokens: int
+) -> tuple[list[RequestTiming], float]:
+    """`concurrency` users, each sending its next prompt as soon as the last one finished."""
+    queue: asyncio.Queue = asyncio.Queue()
+    for prompt in prompts:
+        queue.put_nowait(prompt)
+    timings: list[RequestTiming] = []
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+
+        async def user() -> None:
+            while not queue.empty():
+                prompt = queue.get_nowait()
+                timings.append(await stream_completion(client, base, prompt, max_tokens))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(user() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    return timings, elapsed
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarize(timings: list[RequestTiming], elapsed: float) -> dict:
+    ttft = [t.ttft_s for t in timings]
+    tpot = [t.tpot_s for t in timings if t.tpot_s is not None]
+    tokens = sum(t.output_tokens for t in timings)
+    return {
+        "requests": len(timings),
+        "output_tokens": tokens,
+        "elapsed_s": round(elapsed, 3),
+        "throughput_tok_s": round(tokens / elapsed, 2),
+        "ttft_p50_s": round(pct(ttft, 50), 4),
+        "ttft_p95_s": round(pct(ttft, 95), 4),
+        "tpot_p50_s": round(pct(tpot, 50), 4),
+        "tpot_p95_s": round(pct(tpot, 95), 4),
+    }
+
+
+def machine() -> dict:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def write_results(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    payload = {"benchmark": name, "machine": machine(), "date": time.strftime("%Y-%m-%d"), **payload}
+    path.write_text(json.dumps(payload, indent=2, default=lambda o: asdict(o)) + "\n")
+    return path
