@@ -1,0 +1,283 @@
+// The dashboard: polls /api/metrics and /api/loadgen/status every second and draws them.
+"use strict";
+
+const POLL_MS = 1000;
+const HISTORY = 120; // sparkline points: two minutes at one poll a second
+
+const history = { throughput: [], ttft: [] };
+
+const $ = (id) => document.getElementById(id);
+
+function setText(id, text) {
+  const el = $(id);
+  if (el.textContent !== text) el.textContent = text;
+}
+
+function fmtInt(n) {
+  return Math.round(n).toLocaleString("en-US");
+}
+
+function fmtRate(n) {
+  return n >= 100 ? n.toFixed(0) : n.toFixed(1);
+}
+
+function fmtPct(fraction) {
+  return (100 * fraction).toFixed(1) + " %";
+}
+
+// Seconds as a readable duration: 850 µs, 12.3 ms, 1.42 s.
+function fmtSeconds(s) {
+  if (!s) return "0 ms";
+  if (s < 0.001) return (s * 1e6).toFixed(0) + " µs";
+  if (s < 1) return (s * 1e3).toFixed(s < 0.1 ? 1 : 0) + " ms";
+  return s.toFixed(2) + " s";
+}
+
+async function getJSON(url) {
+  const response = await fetch(url, { cache: "no-store" });
+  if (!response.ok) throw new Error(url + ": HTTP " + response.status);
+  return response.json();
+}
+
+// ---------------------------------------------------------------- metrics
+
+function pushHistory(series, value) {
+  series.push(value);
+  if (series.length > HISTORY) series.shift();
+}
+
+function renderLatency(prefix, summary) {
+  for (const q of ["p50", "p95", "p99"]) setText(`${prefix}-${q}`, fmtSeconds(summary[q]));
+  setText(`${prefix}-n`, fmtInt(summary.count));
+}
+
+function renderKv(kv) {
+  const container = $("kv-groups");
+  container.replaceChildren(
+    ...Object.entries(kv.groups).map(([name, g]) => {
+      const total = g.in_use + g.cached_unused + g.free || 1;
+      const row = document.createElement("div");
+      row.className = "bar-row kv-group";
+      row.dataset.group = name;
+      const label = document.createElement("span");
+      label.className = "name";
+      label.textContent = name;
+      const stack = document.createElement("div");
+      stack.className = "stack";
+      for (const [cls, n] of [["in-use", g.in_use], ["cached", g.cached_unused], ["free", g.free]]) {
+        const part = document.createElement("span");
+        part.className = cls;
+        part.style.width = (100 * n) / total + "%";
+        stack.append(part);
+      }
+      const num = document.createElement("span");
+      num.className = "num";
+      num.textContent = `${g.in_use} / ${g.cached_unused} / ${g.free}`;
+      row.append(label, stack, num);
+      return row;
+    })
+  );
+  setText("kv-summary", `${fmtInt(kv.num_total_blocks)} blocks × ${kv.block_size} tokens`);
+  const p = kv.prefix_cache;
+  setText("prefix-tokens", `${fmtInt(p.hit_tokens)} / ${fmtInt(p.query_tokens)}`);
+  setText("prefix-exact", fmtInt(p.exact_hits));
+  setText("prefix-nodes", fmtInt(p.nodes));
+}
+
+function tenantBar(cls, value, max, label) {
+  const track = document.createElement("div");
+  track.className = "track";
+  const fill = document.createElement("span");
+  fill.className = cls;
+  fill.style.width = max > 0 ? (100 * value) / max + "%" : "0%";
+  track.append(fill);
+  const num = document.createElement("span");
+  num.className = "num";
+  num.textContent = label;
+  return [track, num];
+}
+
+function renderTenants(tenants) {
+  const entries = Object.entries(tenants).sort(([a], [b]) => a.localeCompare(b));
+  const container = $("tenants");
+  if (entries.length === 0) return;
+  const served = (t) => t.prompt_tokens + t.output_tokens;
+  const maxTokens = Math.max(...entries.map(([, t]) => served(t)));
+  const maxCounter = Math.max(...entries.map(([, t]) => t.counter ?? 0));
+  container.replaceChildren(
+    ...entries.map(([name, t]) => {
+      const row = document.createElement("div");
+      row.className = "tenant";
+      row.dataset.tenant = name;
+      const who = document.createElement("div");
+      who.className = "who";
+      const title = document.createElement("b");
+      title.textContent = name;
+      const detail = document.createElement("span");
+      detail.textContent = `${t.running} running · ${t.waiting} waiting`;
+      who.append(title, detail);
+      const bars = document.createElement("div");
+      bars.className = "bars";
+      bars.append(...tenantBar("tokens", served(t), maxTokens, fmtInt(served(t)) + " tok"));
+      const counter = t.counter ?? 0;
+      const counterLabel = t.counter === null ? "— (no VTC)" : fmtInt(counter) + " vtc";
+      bars.append(...tenantBar("counter", counter, maxCounter, counterLabel));
+      row.append(who, bars);
+      return row;
+    })
+  );
+}
+
+// A line with a soft fill under it, scaled to the series' own maximum.
+function drawSparkline(canvas, values, color) {
+  const ratio = window.devicePixelRatio || 1;
+  const width = canvas.clientWidth;
+  const height = canvas.clientHeight;
+  if (canvas.width !== width * ratio) canvas.width = width * ratio;
+  if (canvas.height !== height * ratio) canvas.height = height * ratio;
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  ctx.clearRect(0, 0, width, height);
+  ctx.strokeStyle = "#263142";
+  ctx.beginPath();
+  ctx.moveTo(0, height - 0.5);
+  ctx.lineTo(width, height - 0.5);
+  ctx.stroke();
+  if (values.length < 2) return;
+  const max = Math.max(...values) || 1;
+  const step = width / (HISTORY - 1);
+  const x0 = width - step * (values.length - 1);
+  const y = (v) => height - 2 - (v / max) * (height - 6);
+  ctx.beginPath();
+  values.forEach((v, i) => (i === 0 ? ctx.moveTo(x0, y(v)) : ctx.lineTo(x0 + i * step, y(v))));
+  ctx.strokeStyle = color;
+  ctx.lineWidth = 1.5;
+  ctx.stroke();
+  ctx.lineTo(width, height);
+  ctx.lineTo(x0, height);
+  ctx.closePath();
+  ctx.globalAlpha = 0.15;
+  ctx.fillStyle = color;
+  ctx.fill();
+  ctx.globalAlpha = 1;
+}
+
+function drawSparklines() {
+  const css = getComputedStyle(document.documentElement);
+  drawSparkline($("spark-throughput"), history.throughput, css.getPropertyValue("--accent").trim());
+  drawSparkline($("spark-ttft"), history.ttft, css.getPropertyValue("--ttft").trim());
+}
+
+function renderMetrics(snap) {
+  const m = snap.metrics;
+  const s = snap.scheduler;
+  setText("model", snap.model);
+  setText("policy", "policy " + s.policy);
+  setText("steps", fmtInt(snap.steps));
+  setText("running", fmtInt(s.num_running));
+  setText("waiting", fmtInt(s.num_waiting));
+  setText("throughput", fmtRate(m.throughput_tokens_per_s));
+  setText("finished", fmtInt(s.num_finished));
+  setText("aborted", fmtInt(s.num_aborted));
+  setText("kv-usage", fmtPct(snap.kv.usage));
+  setText("prefix-hit-rate", fmtPct(snap.kv.prefix_cache.hit_rate));
+  setText("preemptions", fmtInt(s.num_preemptions));
+  setText("window", `(last ${m.window_s.toFixed(0)} s)`);
+  renderLatency("ttft", m.ttft_s);
+  renderLatency("tpot", m.tpot_s);
+  renderLatency("e2e", m.e2e_s);
+  renderKv(snap.kv);
+  renderTenants(s.tenants);
+  pushHistory(history.throughput, m.throughput_tokens_per_s);
+  pushHistory(history.ttft, m.ttft_s.p50);
+  setText("spark-throughput-now", fmtRate(m.throughput_tokens_per_s) + " tok/s");
+  setText("spark-ttft-now", fmtSeconds(m.ttft_s.p50));
+  drawSparklines();
+}
+
+// ---------------------------------------------------------------- load generator
+
+function renderLoadgen(status) {
+  const state = $("lg-state");
+  state.textContent = status.state;
+  state.className = status.state;
+  $("lg-start").disabled = status.state === "running";
+  $("lg-stop").disabled = status.state !== "running";
+  if (status.state === "idle") return;
+  setText("lg-elapsed", `${status.elapsed_s.toFixed(1)} s · tenants ${status.tenants.join(", ")}`);
+  setText("lg-sent", fmtInt(status.sent));
+  setText("lg-completed", fmtInt(status.completed));
+  setText("lg-failed", fmtInt(status.failed));
+  setText("lg-cancelled", fmtInt(status.cancelled));
+  setText("lg-inflight", fmtInt(status.in_flight));
+  setText("lg-rps", status.requests_per_s.toFixed(2));
+  const { ttft_s: ttft, e2e_s: e2e } = status.latency;
+  setText("lg-ttft", `${fmtSeconds(ttft.p50)} / ${fmtSeconds(ttft.p95)}`);
+  setText("lg-e2e", `${fmtSeconds(e2e.p50)} / ${fmtSeconds(e2e.p95)}`);
+  setText("lg-error", status.last_error ? "last error: " + status.last_error : "");
+}
+
+function formConfig() {
+  const config = {
+    users: Number($("lg-users").value),
+    tenants: Number($("lg-tenants").value),
+    prompt_words: Number($("lg-prompt-words").value),
+    max_tokens: Number($("lg-max-tokens").value),
+    api: $("lg-api").value,
+  };
+  config[$("lg-stop-kind").value] = Number($("lg-stop-value").value);
+  if ($("lg-shared").checked) config.system_prompt = $("lg-system-prompt").value;
+  return config;
+}
+
+async function postLoadgen(action, body) {
+  const headers = { "Content-Type": "application/json" };
+  const key = $("lg-key").value.trim();
+  if (key) headers.Authorization = "Bearer " + key;
+  const response = await fetch("/api/loadgen/" + action, {
+    method: "POST",
+    headers,
+    body: body === undefined ? "{}" : JSON.stringify(body),
+  });
+  const payload = await response.json();
+  if (!response.ok) throw new Error(payload.error ? payload.error.message : "HTTP " + response.status);
+  return payload;
+}
+
+async function onLoadgenAction(action, body) {
+  setText("lg-message", "");
+  try {
+    renderLoadgen(await postLoadgen(action, body));
+  } catch (err) {
+    setText("lg-message", err.message);
+  }
+}
+
+// ---------------------------------------------------------------- polling
+
+async function poll() {
+  try {
+    const [snap, status] = await Promise.all([getJSON("/api/metrics"), getJSON("/api/loadgen/status")]);
+    renderMetrics(snap);
+    renderLoadgen(status);
+    $("live").className = "live on";
+    setText("live", "live");
+  } catch (err) {
+    $("live").className = "live off";
+    setText("live", "offline");
+  }
+  setTimeout(poll, POLL_MS);
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("lg-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    onLoadgenAction("start", formConfig());
+  });
+  $("lg-stop").addEventListener("click", () => onLoadgenAction("stop"));
+  $("lg-shared").addEventListener("change", (event) => {
+    $("lg-system-prompt").disabled = !event.target.checked;
+  });
+  window.addEventListener("resize", drawSparklines);
+  poll();
+});
