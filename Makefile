@@ -6,7 +6,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install serve test bench clean
+.PHONY: install browser serve test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,17 @@ install: $(VENV)/.installed
 serve: install
 	HOST=$(HOST) PORT=$(PORT) $(PY) -m app serve --host $(HOST) --port $(PORT)
 
-test: install
+# The dashboard test drives Debian's Chromium through Playwright (never a downloaded browser).
+browser:
+	@if [ ! -x /usr/bin/chromium ]; then \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else \
+	    echo "the dashboard test needs Chromium at /usr/bin/chromium (apt-get install chromium)"; \
+	  fi; \
+	fi
+
+test: install browser
 	$(PY) -m pytest -q
 
 bench: install
