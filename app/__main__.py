@@ -19,7 +19,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in (("HOST", args.host), ("PORT", args.port)) if v is not None}
     settings = load_settings(**overrides)
-    uvicorn.run(create_app(settings), host=settings.HOST, port=settings.PORT, log_level="info")
+    uvicorn.run(
+        create_app(settings),
+        host=settings.HOST,
+        port=settings.PORT,
+        log_level="info",
+        # In-flight streams get the grace period, then are cancelled (which aborts them).
+        timeout_graceful_shutdown=int(settings.SHUTDOWN_GRACE_S),
+    )
 
 
 if __name__ == "__main__":
