@@ -15,11 +15,12 @@ import structlog
 from litestar import Litestar, Request
 from litestar.openapi import OpenAPIConfig
 
-from app import routes_openai, routes_ops
+from app import routes_openai, routes_ops, routes_ws
 from app.errors import EXCEPTION_HANDLERS
 from app.logging import configure_logging
 from app.server import build_server_state
 from app.settings import Settings, load_settings
+from web import routes as web_routes
 
 log = structlog.get_logger(__name__)
 
@@ -40,7 +41,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
             log.info("draining", grace_s=settings.SHUTDOWN_GRACE_S)
             await state.engine.shutdown(settings.SHUTDOWN_GRACE_S)
 
-    def bind_request_id(request: Request) -> None:
+    async def bind_request_id(request: Request) -> None:
+        # async: Litestar runs a sync hook in a worker thread, whose contextvars would be lost.
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(
             request_id=request.headers.get("x-request-id") or uuid.uuid4().hex[:16],
@@ -48,7 +50,9 @@ def create_app(settings: Settings | None = None) -> Litestar:
         )
 
     return Litestar(
-        route_handlers=[*routes_openai.ROUTES, *routes_ops.ROUTES],
+        route_handlers=[
+            *routes_openai.ROUTES, *routes_ops.ROUTES, *routes_ws.ROUTES, *web_routes.ROUTES
+        ],
         lifespan=[lifespan],
         exception_handlers=EXCEPTION_HANDLERS,
         before_request=bind_request_id,
