@@ -23,6 +23,7 @@ def _response(error: ApiError) -> Response:
 
 
 def api_error_handler(_: Request, exc: ApiError) -> Response:
+    log.info("request refused", status=exc.status, code=exc.code, param=exc.param)
     return _response(exc)
 
 

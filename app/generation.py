@@ -11,8 +11,9 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import structlog
 from msgspec import UNSET
 
 from compat.chat_template import GEMMA_END_OF_TURN, render_chat_prompt
@@ -29,6 +30,7 @@ from compat.response_types import (
     ChatResponseMessage,
     Completion,
     CompletionChoice,
+    Usage,
     make_usage,
     new_chat_completion_id,
     new_completion_id,
@@ -36,6 +38,8 @@ from compat.response_types import (
 from engine.async_engine import AsyncEngine, EngineOverloaded, RequestStream, RequestTooLarge
 from engine.request import DEFAULT_TENANT, FinishReason, Sequence, StepOutput, TokenLogprob
 from engine.sampling import SamplingParams
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,10 @@ class GenerationService:
         self.vocab_size = engine.engine.backend.vocab_size
         self.eviction_policy = eviction_policy
         self.session_kv_tokens = session_kv_tokens
+        # Caps an unset max_tokens; under an eviction policy the session budget bounds KV instead.
+        self.kv_capacity_tokens = (
+            engine.engine.scheduler.kv_capacity_tokens if eviction_policy == "none" else None
+        )
         end_of_turn = self.tokenizer.convert_tokens_to_ids(GEMMA_END_OF_TURN)
         unk = self.tokenizer.unk_token_id
         self.chat_stop_ids = [end_of_turn] if end_of_turn not in (None, unk) else []
@@ -124,7 +132,7 @@ class GenerationService:
                 ids, text = list(prompt), self.tokenizer.decode(prompt)
             sampling = to_sampling_params(
                 req, num_prompt_tokens=len(ids), max_model_len=self.max_model_len,
-                vocab_size=self.vocab_size,
+                vocab_size=self.vocab_size, kv_capacity_tokens=self.kv_capacity_tokens,
             )  # fmt: skip
             prepared.append(PreparedPrompt(ids, text, sampling))
         return prepared
@@ -136,6 +144,7 @@ class GenerationService:
         sampling = to_sampling_params(
             req, num_prompt_tokens=len(ids), max_model_len=self.max_model_len,
             vocab_size=self.vocab_size, extra_stop_token_ids=self.chat_stop_ids,
+            kv_capacity_tokens=self.kv_capacity_tokens,
         )  # fmt: skip
         return PreparedPrompt(ids, text, sampling)
 
@@ -151,13 +160,20 @@ class GenerationService:
         cache_salt: str | None = None,
     ) -> list[RequestStream]:
         """Submit every prompt x n choices; all or none are admitted (429/400 otherwise)."""
+        queue_len = self.engine.engine.scheduler.config.max_queue_len
+        if len(prompts) * n > queue_len:  # could never be admitted: retrying (429) cannot help
+            raise invalid_value(
+                "n" if n > 1 else "prompt",
+                f"This request asks for {len(prompts) * n} sequences (prompts x n), but the "
+                f"server queues at most {queue_len} at once.",
+            )
         streams: list[RequestStream] = []
         try:
             for prompt in prompts:
-                for _ in range(n):
+                for choice in range(n):
                     seq = Sequence(
                         prompt.token_ids,
-                        prompt.sampling,
+                        _choice_sampling(prompt.sampling, choice),
                         request_id=uuid.uuid4().hex,
                         tenant=identity.tenant,
                         session_id=identity.session_id,
@@ -177,6 +193,10 @@ class GenerationService:
             for stream in streams:
                 stream.abort()
             raise invalid_value("max_tokens", str(exc)) from None
+        log.info(
+            "generation admitted", tenant=identity.tenant, session=identity.session_id,
+            sequences=len(streams), prompt_tokens=sum(len(p.token_ids) for p in prompts),
+        )  # fmt: skip
         return streams
 
     async def merged(
@@ -209,6 +229,11 @@ class GenerationService:
                 stream.abort()
             for task in tasks:
                 task.cancel()
+            log.info(
+                "generation finished" if remaining == 0 else "generation aborted",
+                sequences=len(streams),
+                completion_tokens=sum(s.seq.num_output_tokens for s in streams),
+            )
 
     # ------------------------------------------------------------------ /v1/completions
 
@@ -236,7 +261,7 @@ class GenerationService:
                 )
                 for c in choices
             ],
-            usage=_usage(choices, n),
+            usage=usage_of(choices, n),
         )
 
     async def completion_stream(
@@ -259,10 +284,10 @@ class GenerationService:
         offsets = [0] * len(streams)
 
         def chunk(choice: CompletionChoice) -> Completion:
+            # No `usage: null` (chat chunks have it): the spec's completion usage is not nullable.
             return Completion(
-                id=completion_id, created=created, model=self.model_id, choices=[choice],
-                usage=None if req.include_usage else UNSET,
-            )  # fmt: skip
+                id=completion_id, created=created, model=self.model_id, choices=[choice]
+            )
 
         if req.echo:
             for i in range(len(streams)):
@@ -290,7 +315,7 @@ class GenerationService:
         if req.include_usage:
             yield Completion(
                 id=completion_id, created=created, model=self.model_id, choices=[],
-                usage=_usage(choices, n),
+                usage=usage_of(choices, n),
             )  # fmt: skip
 
     # ------------------------------------------------------------------ /v1/chat/completions
@@ -319,7 +344,7 @@ class GenerationService:
                 )
                 for c in choices
             ],
-            usage=_usage(choices, n),
+            usage=usage_of(choices, n),
         )
 
     async def chat_stream(
@@ -367,11 +392,19 @@ class GenerationService:
         if req.include_usage:
             yield ChatCompletionChunk(
                 id=chunk_id, created=created, model=self.model_id, choices=[],
-                usage=_usage(choices, n),
+                usage=usage_of(choices, n),
             )  # fmt: skip
 
 
-def _usage(choices: list[ChoiceState], n: int):
+def _choice_sampling(sampling: SamplingParams, choice: int) -> SamplingParams:
+    """The n choices of one prompt are independent samples: a seeded request gives choice i
+    the seed `seed + i`, so it stays reproducible without n identical answers."""
+    if sampling.seed is None or choice == 0:
+        return sampling
+    return replace(sampling, seed=sampling.seed + choice)
+
+
+def usage_of(choices: list[ChoiceState], n: int) -> Usage:
     """Prompt tokens count once per prompt (not per choice), as OpenAI reports them."""
     prompt_tokens = sum(c.prompt_tokens for c in choices[::n])
     cached = sum(c.cached_tokens for c in choices[::n])

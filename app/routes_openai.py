@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 import msgspec
 from litestar import Request, Response, get, post
@@ -12,6 +14,7 @@ from app.auth import identity_for, tenant_for_key
 from app.server import ServerState
 from compat.chat_template import render_chat_prompt
 from compat.engine_mapping import check_token_ids
+from compat.errors import ApiError
 from compat.request_types import (
     decode_chat_completion_request,
     decode_completion_request,
@@ -27,6 +30,7 @@ from compat.response_types import (
 from compat.sse import SSE_DONE, sse_event
 
 JSON = "application/json"
+T = TypeVar("T")
 
 
 def _state(request: Request) -> ServerState:
@@ -40,6 +44,30 @@ def _json(payload: object, status: int = 200) -> Response:
 def _authorize(request: Request) -> str | None:
     """The tenant named by the request's API key (None when auth is off); 401 otherwise."""
     return tenant_for_key(_state(request).settings.api_keys, request.headers.get("authorization"))
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client hangs up first: cancelling aborts its
+    sequences, so their KV blocks are freed instead of generating for nobody."""
+    task = asyncio.ensure_future(work)
+    hangup = asyncio.ensure_future(_client_disconnected(request))
+    try:
+        await asyncio.wait((task, hangup), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hangup.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))  # let its clean-up (aborting the sequences) finish
+    if task.cancelled():
+        # Nobody reads this answer; 499 is the customary status for "client closed request".
+        raise ApiError("The client closed the request.", status=499, code="client_closed_request")
+    return task.result()
+
+
+async def _client_disconnected(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _sse(chunks: AsyncIterator[object]) -> AsyncIterator[bytes]:
@@ -90,7 +118,7 @@ async def completions(request: Request) -> Response | Stream:
     identity = identity_for(key_tenant, req.user, request.headers.get("x-session-id"))
     if req.is_stream:
         return _sse_response(await state.service.completion_stream(req, identity))
-    return _json(await state.service.completion(req, identity))
+    return _json(await _until_disconnect(request, state.service.completion(req, identity)))
 
 
 @post("/v1/chat/completions", status_code=200)
@@ -101,7 +129,7 @@ async def chat_completions(request: Request) -> Response | Stream:
     identity = identity_for(key_tenant, req.user, request.headers.get("x-session-id"))
     if req.is_stream:
         return _sse_response(await state.service.chat_stream(req, identity))
-    return _json(await state.service.chat(req, identity))
+    return _json(await _until_disconnect(request, state.service.chat(req, identity)))
 
 
 @post("/tokenize", status_code=200)

@@ -21,11 +21,15 @@ def _context_length_error(param: str, message: str) -> ApiError:
 
 
 def resolve_max_tokens(
-    request: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int, max_model_len: int
+    request: CompletionRequest | ChatCompletionRequest,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    kv_capacity_tokens: int | None = None,
 ) -> int:
     """The completion budget: what was asked for, which must fit the context with the prompt;
     unset, 16 for completions (shortened if the context is nearly full) or all the room left
-    for chat."""
+    for chat - but no more than a KV cache of `kv_capacity_tokens` can hold next to the prompt,
+    so a request that asked for no length is not refused for the length it was given."""
     is_chat = isinstance(request, ChatCompletionRequest)
     prompt_param = "messages" if is_chat else "prompt"
     room = max_model_len - num_prompt_tokens
@@ -44,7 +48,11 @@ def resolve_max_tokens(
     else:
         requested, max_param = request.max_tokens, "max_tokens"
     if requested is None:
-        return room if is_chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+        default = room if is_chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+        if kv_capacity_tokens is not None:
+            # A sequence holds prompt + max_tokens - 1 tokens of KV at most.
+            default = min(default, max(1, kv_capacity_tokens - num_prompt_tokens + 1))
+        return default
     if requested > room:
         raise _context_length_error(
             max_param,
@@ -88,12 +96,14 @@ def to_sampling_params(
     max_model_len: int,
     vocab_size: int | None = None,
     extra_stop_token_ids: Sequence[int] = (),
+    kv_capacity_tokens: int | None = None,
 ) -> SamplingParams:
     """SamplingParams for one prompt of `request`.
 
     `extra_stop_token_ids` are the model's end-of-turn ids for chat (e.g. <end_of_turn>); like
     EOS they are not added when the request sets ignore_eos. `vocab_size`, when given, bounds the
-    client's token ids (logit_bias, stop_token_ids). Raises ApiError (400).
+    client's token ids (logit_bias, stop_token_ids). `kv_capacity_tokens` caps a default
+    max_tokens (see resolve_max_tokens). Raises ApiError (400).
     """
     stop = request.stop
     stop_token_ids = list(request.stop_token_ids or [])
@@ -107,7 +117,9 @@ def to_sampling_params(
         logprobs = request.logprobs
     try:
         return SamplingParams(
-            max_tokens=resolve_max_tokens(request, num_prompt_tokens, max_model_len),
+            max_tokens=resolve_max_tokens(
+                request, num_prompt_tokens, max_model_len, kv_capacity_tokens
+            ),
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
             top_k=request.top_k or 0,

@@ -67,8 +67,8 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
 class Completion(msgspec.Struct, kw_only=True):
     """A text completion, or one chunk of a streamed one.
 
-    `usage`: set on a full response; in a stream, null on every chunk and set on a final chunk
-    with no choices when stream_options.include_usage is on, absent otherwise.
+    `usage`: set on a full response; in a stream, absent from every chunk but a final one with
+    no choices, sent when stream_options.include_usage is on (the spec's usage is not nullable).
     """
 
     id: str

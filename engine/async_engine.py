@@ -199,6 +199,7 @@ class AsyncEngine:
                         request_id, [], "", finished=True, finish_reason=FinishReason.ABORT,
                         num_prompt_tokens=tracked.seq.num_prompt_tokens,
                         num_output_tokens=tracked.seq.num_output_tokens,
+                        num_cached_tokens=tracked.seq.num_cached_prompt_tokens,
                     ),
                 )  # fmt: skip
                 self._record_finish(tracked, FinishReason.ABORT)
