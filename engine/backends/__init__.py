@@ -1,0 +1,31 @@
+"""Backends that run the model for the engine: `custom` (our forward) and `hf` (transformers)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.backends.base import CacheGroupSpec, ForwardOutput, InferenceBackend
+
+if TYPE_CHECKING:
+    from engine.model.loader import LoadedModel
+
+BACKEND_KINDS = ("custom", "hf")
+
+__all__ = ["BACKEND_KINDS", "CacheGroupSpec", "ForwardOutput", "InferenceBackend", "create_backend"]
+
+
+def create_backend(
+    kind: str, loaded_model: LoadedModel, device: torch.device, dtype: torch.dtype
+) -> InferenceBackend:
+    """The backend `kind` ("custom" or "hf") for a loaded model, on `device` in `dtype`."""
+    if kind == "custom":
+        from engine.backends.custom import CustomBackend as backend_class
+    elif kind == "hf":
+        from engine.backends.hf import HFBackend as backend_class
+    else:
+        raise ValueError(f"unknown backend {kind!r}: expected one of {', '.join(BACKEND_KINDS)}")
+    return backend_class(
+        loaded_model.config, loaded_model.state_dict, device, dtype, loaded_model.max_model_len
+    )

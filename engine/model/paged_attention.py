@@ -1,0 +1,257 @@
+"""Attention over the block-paged KV cache, for prefill, decode and mixed batches.
+
+One `PagedAttentionStep` is prepared per forward step from the ForwardBatch and shared by every
+layer: per cache group it turns the batch's slots and positions into gather indices and additive
+masks once, so a layer only writes its new K/V and runs a few batched tensor ops.
+
+Sequences are attended in chunks:
+- every single-token (decode) sequence together, keys padded to the longest of them: one
+  batched matmul -> softmax -> matmul per layer, with the query heads of a KV head folded
+  into the matmul rows (grouped-query attention without copying K/V per query head);
+- each multi-token (prefill) sequence on its own, in exactly the order of operations of
+  transformers' eager attention (keys repeated per query head), so a single-sequence prefill
+  reproduces it bit for bit.
+
+Masks come from positions, never from slot order: key j is visible to query i when it is
+valid, kpos <= qpos, and, on sliding layers, qpos - kpos < window. The softmax is explicit,
+which also yields the attention mass each key receives (for H2O eviction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.batch import ForwardBatch, GroupAttention
+from engine.model.kv_cache import PagedKVCache
+
+
+@dataclass
+class _Chunk:
+    """Sequences attended in one batched call."""
+
+    rows: slice | torch.Tensor  # their query rows in the flattened batch
+    seqs: slice | torch.Tensor  # their indices in the batch
+    num_seqs: int
+    q_len: int  # 1 for the decode chunk; the chunk length for a prefill chunk
+    num_keys: int  # key columns used (the group's key rows are cut to this width)
+    key_slots: torch.Tensor  # [num_seqs * num_keys] slots to gather
+    mask: torch.Tensor  # [num_seqs, 1, q_len, num_keys] additive: 0 or the dtype's minimum
+
+
+class _GroupPlan:
+    """One cache group's addressing for one step, in the form attention consumes."""
+
+    def __init__(
+        self,
+        group: GroupAttention,
+        batch: ForwardBatch,
+        window: int | None,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        slot_mapping = group.slot_mapping
+        stored = slot_mapping >= 0
+        if bool(stored.all()):
+            self.write_rows: torch.Tensor | None = None
+            self.write_slots = slot_mapping.to(device)
+        else:
+            rows = stored.nonzero().squeeze(1)
+            self.write_rows = rows.to(device)
+            self.write_slots = slot_mapping[rows].to(device)
+
+        key_valid = group.key_valid
+        self.key_valid = key_valid
+        num_cols = key_valid.shape[1]
+        # Columns each sequence uses: up to its last valid key; later columns are padding.
+        columns = torch.arange(1, num_cols + 1, device=key_valid.device)
+        widths = (key_valid.long() * columns).amax(dim=1).tolist() if num_cols else [0] * batch.num_seqs
+        self.num_cols = num_cols
+        self.chunks = list(self._chunks(group, batch, widths, window, device, dtype))
+
+    @staticmethod
+    def _chunks(
+        group: GroupAttention,
+        batch: ForwardBatch,
+        widths: list[int],
+        window: int | None,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> Iterator[_Chunk]:
+        starts, lens, positions = batch.query_start, batch.query_lens, batch.positions
+        decode = [i for i, n in enumerate(lens) if n == 1]
+        if len(decode) == batch.num_seqs:  # a pure decode step: rows and sequences coincide
+            everyone = slice(0, batch.num_seqs)
+            yield _make_chunk(group, everyone, everyone, positions[everyone], 1, max(widths), window, device, dtype)
+        elif decode:
+            seqs = torch.tensor(decode, device=positions.device)
+            rows = torch.tensor([starts[i] for i in decode], device=positions.device)
+            width = max(widths[i] for i in decode)
+            yield _make_chunk(group, seqs, rows, positions[rows], 1, width, window, device, dtype)
+        for i, n in enumerate(lens):
+            if n > 1:
+                rows = slice(starts[i], starts[i + 1])
+                yield _make_chunk(group, slice(i, i + 1), rows, positions[rows], n, widths[i], window, device, dtype)
+
+
+def _make_chunk(
+    group: GroupAttention,
+    seqs: slice | torch.Tensor,
+    rows: slice | torch.Tensor,
+    query_positions: torch.Tensor,
+    q_len: int,
+    width: int,
+    window: int | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> _Chunk:
+    """A chunk over sequences `seqs` (their query rows `rows`, positions [len(seqs) * q_len])."""
+    key_slots = group.key_slots[seqs, :width]
+    key_positions = group.key_positions[seqs, :width]
+    query_positions = query_positions.view(key_slots.shape[0], q_len)
+    visible = group.key_valid[seqs, :width][:, None, :] & (key_positions[:, None, :] <= query_positions[:, :, None])
+    if window is not None:
+        visible &= (query_positions[:, :, None] - key_positions[:, None, :]) < window
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return _Chunk(
+        rows=rows if isinstance(rows, slice) else rows.to(device),
+        seqs=seqs if isinstance(seqs, slice) else seqs.to(device),
+        num_seqs=key_slots.shape[0],
+        q_len=q_len,
+        num_keys=width,
+        key_slots=key_slots.reshape(-1).to(device),
+        mask=mask[:, None].to(device),
+    )
+
+
+class PagedAttentionStep:
+    """Per-step attention state shared by all layers: write new K/V, attend over the cache."""
+
+    def __init__(
+        self,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+        windows: dict[str, int | None],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.cache = cache
+        self.num_tokens = int(batch.input_ids.shape[0])
+        self.plans = {
+            name: _GroupPlan(group, batch, windows.get(name), device, dtype) for name, group in batch.groups.items()
+        }
+        self.mass: torch.Tensor | None = None
+        if batch.collect_attention and "full" in self.plans:
+            plan = self.plans["full"]
+            self.mass = torch.zeros(batch.num_seqs, plan.num_cols, dtype=torch.float32, device=device)
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store this step's keys/values ([T, num_kv_heads, head_dim]) of a storing layer."""
+        plan = self.plans[self.cache.group_of_layer[layer]]
+        if plan.write_rows is not None:
+            keys = keys.index_select(0, plan.write_rows)
+            values = values.index_select(0, plan.write_rows)
+        self.cache.write(layer, plan.write_slots, keys, values)
+
+    def attend(
+        self, kv_layer: int, query: torch.Tensor, scaling: float, softcap: float | None = None
+    ) -> torch.Tensor:
+        """Attention output [T, H, head_dim] of `query` ([T, H, head_dim]) over `kv_layer`'s cache."""
+        group = self.cache.group_of_layer[kv_layer]
+        plan = self.plans[group]
+        keys, values = self.cache.keys[kv_layer], self.cache.values[kv_layer]
+        mass = self.mass if group == "full" else None
+        chunks = plan.chunks
+        if len(chunks) == 1 and chunks[0].num_seqs * chunks[0].q_len == self.num_tokens:
+            return _attend_chunk(chunks[0], query, keys, values, scaling, softcap, mass)
+        out = query.new_empty(query.shape[0], query.shape[1], values.shape[2])
+        for chunk in chunks:
+            result = _attend_chunk(chunk, query[chunk.rows], keys, values, scaling, softcap, mass)
+            if isinstance(chunk.rows, slice):
+                out[chunk.rows] = result
+            else:
+                out.index_copy_(0, chunk.rows, result)
+        return out
+
+    def attention_mass(self) -> list[torch.Tensor] | None:
+        """Per sequence, the mass each valid "full"-group key received this step."""
+        if self.mass is None:
+            return None
+        valid = self.plans["full"].key_valid.to(self.mass.device)
+        return [row[keep] for row, keep in zip(self.mass, valid)]
+
+
+# Prefill queries are attended in slices so one slice's score matrix stays under this many
+# elements (a long prompt against a long cache would otherwise need gigabytes at once).
+MAX_SCORES_PER_SLICE = 1 << 25
+
+
+def _attend_chunk(
+    chunk: _Chunk,
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    scaling: float,
+    softcap: float | None,
+    mass: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention output [rows, H, D] of the chunk's queries ([rows, H, D])."""
+    num_heads = query.shape[1]
+    _, num_kv_heads, head_dim = key_pool.shape
+    groups = num_heads // num_kv_heads
+    b, q_len, k_len = chunk.num_seqs, chunk.q_len, chunk.num_keys
+    keys = key_pool.index_select(0, chunk.key_slots).view(b, k_len, num_kv_heads, head_dim).transpose(1, 2)
+    values = value_pool.index_select(0, chunk.key_slots).view(b, k_len, num_kv_heads, -1).transpose(1, 2)
+    if q_len == 1:
+        # Decode: the query heads sharing a KV head become the rows of one matmul.
+        q = query.reshape(b, num_kv_heads, groups, head_dim)
+        out = _softmax_attention(q, keys, values, chunk.mask, scaling, softcap, mass, chunk)
+        return out.view(b, num_heads, -1)
+    q = query.transpose(0, 1).unsqueeze(0)
+    keys, values = _repeat_heads(keys, groups), _repeat_heads(values, groups)
+    rows_per_slice = max(1, MAX_SCORES_PER_SLICE // (num_heads * k_len))
+    pieces = [
+        _softmax_attention(
+            q[:, :, start : start + rows_per_slice], keys, values,
+            chunk.mask[:, :, start : start + rows_per_slice], scaling, softcap, mass, chunk,
+        )
+        for start in range(0, q_len, rows_per_slice)
+    ]
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+    return out[0].transpose(0, 1)
+
+
+def _softmax_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+    softcap: float | None,
+    mass: torch.Tensor | None,
+    chunk: _Chunk,
+) -> torch.Tensor:
+    """softmax(q k^T * scaling, softcapped, masked) v in transformers' eager order; adds each
+    key's probability mass (summed over heads and queries) to `mass` when given."""
+    scores = torch.matmul(q, keys.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores + mask, dim=-1, dtype=torch.float32)
+    if mass is not None:
+        contribution = probs.sum(dim=(1, 2))
+        if isinstance(chunk.seqs, slice):
+            mass[chunk.seqs, : chunk.num_keys] += contribution
+        else:
+            mass[:, : chunk.num_keys].index_add_(0, chunk.seqs, contribution)
+    return torch.matmul(probs.to(q.dtype), values)
+
+
+def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, Hkv, K, D] -> [B, Hkv * groups, K, D], each KV head repeated for its query heads."""
+    if groups == 1:
+        return x
+    b, h, k, d = x.shape
+    return x[:, :, None].expand(b, h, groups, k, d).reshape(b, h * groups, k, d)

@@ -1,0 +1,182 @@
+"""Our Gemma 4 forward over the paged cache against transformers' Gemma4ForCausalLM (eager
+attention, float32 on CPU), on tiny random-weight configs built with Gemma4TextConfig that
+between them switch on every text-model feature: per-layer head sizes (global_head_dim),
+separate KV-head counts on full layers, k=v attention, V-norm, KV sharing across the last
+layers, per-layer embeddings (PLE), the double-wide MLP, proportional partial RoPE, final
+logit softcapping, layer scalars.
+
+As for Gemma 3 (see tests/test_forward_gemma3.py): prefill is bit-exact; decode is bit-exact
+when every query head has its own KV head, otherwise bounded tightly with equal greedy tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Gemma4TextConfig
+
+from engine.backends.custom import CustomBackend
+from engine.backends.hf import HFBackend
+from engine.model.architecture import architecture_from_config
+from tests.paged_driver import PagedDriver, engine_greedy, hf_greedy, hf_model
+
+CPU = torch.device("cpu")
+DECODE_STEPS = 64
+S, F = "sliding_attention", "full_attention"
+
+
+def full_featured_config() -> Gemma4TextConfig:
+    """Layers 5 and 6 reuse the K/V of layers 3 (sliding) and 4 (full)."""
+    return Gemma4TextConfig(
+        vocab_size=101, hidden_size=48, intermediate_size=64, num_hidden_layers=7,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
+        num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=101,
+        use_double_wide_mlp=True, final_logit_softcapping=5.0, sliding_window=6,
+        max_position_embeddings=256, tie_word_embeddings=False,
+        layer_types=[S, F, S, S, F, S, F],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1_000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "factor": 2.0,
+                               "rope_theta": 20_000.0},
+        },
+    )
+
+
+def mha_config() -> Gemma4TextConfig:
+    """One KV head per query head; KV sharing without PLE or k=v; default RoPE settings."""
+    return Gemma4TextConfig(
+        vocab_size=89, hidden_size=32, intermediate_size=48, num_hidden_layers=5,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+        num_kv_shared_layers=2, hidden_size_per_layer_input=0, sliding_window=5,
+        max_position_embeddings=256, layer_types=[S, F, S, S, F],
+    )
+
+
+CONFIGS = {"full_featured": full_featured_config, "mha": mha_config}
+
+
+def prompt(n: int, seed: int, vocab: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def setup(request):
+    config = CONFIGS[request.param]()
+    reference = hf_model(config, seed=1)
+    return request.param, config, reference, reference.state_dict()
+
+
+def test_configs_switch_on_every_feature():
+    arch = architecture_from_config(full_featured_config())
+    assert [spec.stores_kv for spec in arch.layers] == [True] * 5 + [False] * 2
+    assert [spec.kv_source for spec in arch.layers] == [0, 1, 2, 3, 4, 3, 4]
+    assert [spec.head_dim for spec in arch.layers] == [8, 16, 8, 8, 16, 8, 16]
+    assert [spec.num_kv_heads for spec in arch.layers] == [2, 1, 2, 2, 1, 2, 1]
+    assert [spec.k_eq_v for spec in arch.layers] == [False, True, False, False, True, False, True]
+    assert [spec.intermediate_size for spec in arch.layers] == [64] * 5 + [128] * 2
+    assert arch.per_layer_input_size == 8 and arch.rope["full_attention"].rope_type == "proportional"
+
+
+@pytest.mark.parametrize("backend_class", [CustomBackend, HFBackend])
+def test_prefill_equals_transformers_bit_for_bit(setup, backend_class):
+    _, config, reference, weights = setup
+    backend = backend_class(config, weights, CPU, torch.float32, 256)
+    tokens = prompt(15, seed=2, vocab=config.vocab_size)  # longer than the sliding window
+    logits, _ = PagedDriver(backend, shuffle_blocks=3).step({0: tokens}, all_logits=True)
+    with torch.no_grad():
+        # Rows as an index: with an int, transformers slices rows before its KV-shared layers,
+        # and fails doing so for configs without PLE.
+        expected = reference(torch.tensor([tokens]), logits_to_keep=torch.arange(len(tokens))).logits[0]
+    assert torch.equal(logits[0], expected)
+
+
+def test_decode_over_paged_cache_matches_dynamic_cache(setup):
+    name, config, reference, weights = setup
+    backend = CustomBackend(config, weights, CPU, torch.float32, 256)
+    tokens = prompt(9, seed=4, vocab=config.vocab_size)
+    ours = engine_greedy(PagedDriver(backend, shuffle_blocks=5), {0: tokens}, DECODE_STEPS)[0]
+    theirs = hf_greedy(reference, tokens, DECODE_STEPS)
+    assert [int(x.argmax()) for x in ours] == [int(x.argmax()) for x in theirs]
+    assert torch.equal(ours[0], theirs[0])  # the prefill
+    if name == "mha":
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    else:
+        assert max((a - b).abs().max().item() for a, b in zip(ours, theirs)) < 2e-5
+
+
+def test_batch_of_different_lengths_matches_each_alone(setup):
+    _, config, _, weights = setup
+    backend = CustomBackend(config, weights, CPU, torch.float32, 256)
+    prompts = {0: prompt(4, 10, config.vocab_size), 1: prompt(12, 11, config.vocab_size),
+               2: prompt(7, 12, config.vocab_size)}
+    together = engine_greedy(PagedDriver(backend, num_blocks=128, shuffle_blocks=6),
+                             {0: prompts[0], 1: prompts[1]}, 20, joins={2: {2: prompts[2]}})
+    for seq, tokens in prompts.items():
+        alone = engine_greedy(PagedDriver(backend, num_blocks=128), {seq: tokens}, 20)[seq]
+        assert [int(x.argmax()) for x in together[seq]] == [int(x.argmax()) for x in alone]
+        assert max((a - b).abs().max().item() for a, b in zip(together[seq], alone)) < 2e-5
+
+
+def test_scattered_blocks_give_the_same_logits(setup):
+    _, config, _, weights = setup
+    backend = CustomBackend(config, weights, CPU, torch.float32, 256)
+    prompts = {0: prompt(11, 20, config.vocab_size), 1: prompt(6, 21, config.vocab_size)}
+    contiguous = engine_greedy(PagedDriver(backend, num_blocks=64, block_size=2), prompts, 12)
+    scattered = engine_greedy(PagedDriver(backend, num_blocks=64, block_size=2, shuffle_blocks=7), prompts, 12)
+    for seq in prompts:
+        assert all(torch.equal(a, b) for a, b in zip(contiguous[seq], scattered[seq]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_backend_matches_custom_on_a_mixed_batch(setup, dtype):
+    _, config, _, weights = setup
+    prompts = {0: prompt(7, 30, config.vocab_size), 1: prompt(3, 31, config.vocab_size)}
+    joins = {2: {2: prompt(10, 32, config.vocab_size)}}
+    results = [
+        engine_greedy(PagedDriver(backend_class(config, weights, CPU, dtype, 256), shuffle_blocks=8),
+                      prompts, 8, joins=joins)
+        for backend_class in (CustomBackend, HFBackend)
+    ]
+    for seq in (0, 1, 2):
+        assert all(torch.equal(a, b) for a, b in zip(results[0][seq], results[1][seq]))
+
+
+def test_kv_shared_layers_store_nothing(setup):
+    _, config, _, weights = setup
+    backend = CustomBackend(config, weights, CPU, torch.float32, 256)
+    backend.allocate_kv_cache(8, 4)
+    stored = sorted(backend.kv_cache.keys)
+    assert stored == [spec.index for spec in backend.arch.layers if spec.stores_kv]
+    assert sum(len(group.layer_ids) for group in backend.cache_groups()) == len(stored)
+
+
+def test_mixture_of_experts_is_rejected_by_name():
+    config = mha_config()
+    config.enable_moe_block, config.num_experts, config.top_k_experts, config.moe_intermediate_size = True, 4, 2, 16
+    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
+        CustomBackend(config, {}, CPU, torch.float32, 256)
+    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
+        HFBackend(config, {}, CPU, torch.float32, 256)
+
+
+def test_bidirectional_attention_is_rejected():
+    config = mha_config()
+    config.use_bidirectional_attention = "all"
+    with pytest.raises(NotImplementedError, match="bidirectional"):
+        architecture_from_config(config)
+
+
+@pytest.mark.parametrize("backend_class", [CustomBackend, HFBackend])
+def test_checkpoint_without_layer_scalars_and_with_shared_kv_weights(backend_class):
+    """Absent layer scalars mean 1 (as transformers initializes them); K/V weights a checkpoint
+    carries for KV-shared layers are ignored (those layers have none)."""
+    config = full_featured_config()
+    weights = {k: v for k, v in hf_model(config, seed=3).state_dict().items() if not k.endswith("layer_scalar")}
+    weights["model.layers.5.self_attn.k_proj.weight"] = torch.ones(16, 48)
+    reference = hf_model(config, state_dict=weights)
+    assert all(float(layer.layer_scalar) == 1.0 for layer in reference.model.layers)
+    tokens = prompt(6, seed=9, vocab=config.vocab_size)
+    logits, _ = PagedDriver(backend_class(config, weights, CPU, torch.float32, 256)).step({0: tokens}, all_logits=True)
+    with torch.no_grad():
+        assert torch.equal(logits[0], reference(torch.tensor([tokens]), logits_to_keep=torch.arange(6)).logits[0])
