@@ -75,13 +75,21 @@ class LLMEngine:
         self.num_steps = 0
 
     def add(self, seq: Sequence) -> AddResult:
-        """Offer a sequence to the scheduler; accepted ones get their detokenizer."""
-        result = self.scheduler.add(seq)
-        if result.accepted:
-            self._detokenizers[seq.seq_id] = IncrementalDetokenizer(
-                self.tokenizer, seq.prompt_token_ids, seq.sampling
-            )
-        return result
+        """Offer a sequence to the scheduler; accepted ones keep their detokenizer."""
+        if seq.seq_id in self._detokenizers:
+            raise ValueError(f"sequence {seq.seq_id} was already added")
+        # Created first: once the scheduler has seq, a step on the engine thread may sample it.
+        self._detokenizers[seq.seq_id] = IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_token_ids, seq.sampling
+        )
+        accepted = False
+        try:
+            result = self.scheduler.add(seq)
+            accepted = result.accepted
+            return result
+        finally:
+            if not accepted:
+                del self._detokenizers[seq.seq_id]
 
     def abort(self, seq_id: int) -> bool:
         """Retire a sequence at once and free its blocks (call between steps)."""

@@ -9,15 +9,17 @@ Every prompt becomes one sequence in the same continuous-batching engine the ser
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
 from engine.backends import create_backend
 from engine.device import resolve_device, resolve_dtype
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.model.loader import EMBEDDED_MODEL, load_model
+from engine.model.loader import EMBEDDED_MODEL, LoadedModel, load_model
 from engine.request import FinishReason, Sequence, TokenLogprob
 from engine.sampling import InvalidRequestError, SamplingParams
+from engine.sched.admission import AdmissionStatus
 
 
 @dataclass
@@ -33,15 +35,17 @@ class GenerationResult:
 class LLM:
     def __init__(
         self,
-        model: str = EMBEDDED_MODEL,
+        model: str | LoadedModel = EMBEDDED_MODEL,
         backend: str = "custom",
         device: str | None = None,
         dtype: str | None = None,
         config: EngineConfig = EngineConfig(),
     ) -> None:
+        """`model` is a name for load_model(), or an already loaded model (loaded once and
+        shared, e.g. by tests; the backend casts its weights to `dtype`)."""
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        loaded = load_model(model, self.dtype)
+        loaded = model if isinstance(model, LoadedModel) else load_model(model, self.dtype)
         self.model_id = loaded.model_id
         self.tokenizer = loaded.tokenizer
         self.engine = LLMEngine(
@@ -80,6 +84,7 @@ class LLM:
             raise InvalidRequestError("one SamplingParams per prompt, or a single one", "sampling")
         seqs = []
         for prompt, p in zip(prompts, params_list):
+            p.validate()  # SamplingParams is mutable: check what is used, not what was built
             seq = Sequence(self.encode(prompt), p)
             if seq.num_prompt_tokens + p.max_tokens > self.engine.max_model_len:
                 raise InvalidRequestError(
@@ -90,13 +95,19 @@ class LLM:
             seqs.append(seq)
         texts: dict[int, list[str]] = {seq.seq_id: [] for seq in seqs}
         logprobs: dict[int, list[TokenLogprob]] = {seq.seq_id: [] for seq in seqs}
-        for seq in seqs:
-            result = self.engine.add(seq)
-            if not result.accepted:
-                for queued in seqs:
-                    self.engine.abort(queued.seq_id)
-                raise InvalidRequestError(result.message, "prompt")
-        while self.engine.has_work:
+        # More prompts than the waiting queue holds are fed in as it drains.
+        pending = deque(seqs)
+        while pending or self.engine.has_work:
+            while pending:
+                result = self.engine.add(pending[0])
+                if result.accepted:
+                    pending.popleft()
+                elif result.status is AdmissionStatus.TOO_LARGE or not self.engine.has_work:
+                    for seq in seqs:
+                        self.engine.abort(seq.seq_id)
+                    raise InvalidRequestError(result.message, "prompt")
+                else:
+                    break  # queue full: retry after a step
             for seq, out in self.engine.step():
                 if seq.seq_id in texts:
                     texts[seq.seq_id].append(out.new_text)
