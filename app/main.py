@@ -32,7 +32,6 @@ def create_app(settings: Settings | None = None) -> Litestar:
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         state = build_server_state(settings, created=int(time.time()))
-        state.engine.start()
         app.state.server = state
         log.info("serving", host=settings.HOST, port=settings.PORT, model=state.model_id)
         try:

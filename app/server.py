@@ -12,7 +12,6 @@ from engine.async_engine import AsyncEngine
 from engine.backends import create_backend
 from engine.device import resolve_device, resolve_dtype
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.metrics import ServingMetrics
 from engine.model.loader import load_model
 from engine.offline import eos_token_ids
 
@@ -30,39 +29,45 @@ class ServerState:
 
 
 def build_server_state(settings: Settings, created: int) -> ServerState:
+    """Load the model and start the engine loop; returns once the engine takes work."""
     device = resolve_device(settings.DEVICE)
     dtype = resolve_dtype(settings.DTYPE, device)
     log.info("loading model", model=settings.MODEL_NAME, device=str(device), dtype=str(dtype))
-    loaded = load_model(settings.MODEL_NAME, dtype)
-    backend = create_backend(settings.BACKEND, loaded, device, dtype)
-    engine = LLMEngine(
-        backend,
-        loaded.tokenizer,
-        eos_token_ids(loaded.config, loaded.tokenizer),
-        EngineConfig(
-            max_batch_size=settings.MAX_BATCH_SIZE,
-            max_num_batched_tokens=settings.MAX_NUM_BATCHED_TOKENS,
-            max_queue_len=settings.MAX_QUEUE_LEN,
-            block_size=settings.KV_BLOCK_SIZE,
-            max_active_kv_tokens=settings.MAX_ACTIVE_KV_TOKENS,
-            scheduling_policy=settings.SCHEDULING_POLICY,
-            enable_prefix_caching=settings.PREFIX_CACHING,
-        ),
-    )
-    metrics = ServingMetrics(loaded.model_id)
-    async_engine = AsyncEngine(engine, metrics)
+
+    def build_engine() -> LLMEngine:
+        # Runs on the engine thread: loading, backend and KV allocation included (see AsyncEngine).
+        loaded = load_model(settings.MODEL_NAME, dtype)
+        return LLMEngine(
+            create_backend(settings.BACKEND, loaded, device, dtype),
+            loaded.tokenizer,
+            eos_token_ids(loaded.config, loaded.tokenizer),
+            EngineConfig(
+                max_batch_size=settings.MAX_BATCH_SIZE,
+                max_num_batched_tokens=settings.MAX_NUM_BATCHED_TOKENS,
+                max_queue_len=settings.MAX_QUEUE_LEN,
+                block_size=settings.KV_BLOCK_SIZE,
+                max_active_kv_tokens=settings.MAX_ACTIVE_KV_TOKENS,
+                scheduling_policy=settings.SCHEDULING_POLICY,
+                enable_prefix_caching=settings.PREFIX_CACHING,
+            ),
+            model_id=loaded.model_id,
+        )
+
+    async_engine = AsyncEngine(build_engine)
+    async_engine.start()
+    engine = async_engine.engine
     service = GenerationService(
         async_engine,
-        loaded.model_id,
+        engine.model_id,
         eviction_policy=settings.EVICTION_POLICY,
         session_kv_tokens=settings.SESSION_KV_TOKENS,
     )
     log.info(
         "engine ready",
-        model=loaded.model_id,
+        model=engine.model_id,
         backend=settings.BACKEND,
         kv_blocks=engine.kv.num_total_blocks,
         block_size=settings.KV_BLOCK_SIZE,
         policy=settings.SCHEDULING_POLICY,
     )
-    return ServerState(settings, async_engine, service, metrics, loaded.model_id, created)
+    return ServerState(settings, async_engine, service, async_engine.metrics, engine.model_id, created)

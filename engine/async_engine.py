@@ -4,6 +4,11 @@ loop runs on its own thread, so serving HTTP never waits on a forward pass.
 Admission happens at once on the caller's thread (the scheduler is locked briefly), so a
 refusal can become an HTTP 429 before anything is streamed. Aborts are queued and applied by
 the engine thread between steps, where it is safe to free blocks.
+
+The engine is built on the engine thread too, so that every tensor operation of the process runs
+on that one thread: CPU kernels run on one OpenMP thread team per calling thread, and a second
+team (from loading weights on the main thread, say) competes with the first for the cores
+(measured on 2 cores: a decode step took 90 ms instead of 66 ms).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -75,9 +80,12 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServingMetrics) -> None:
-        self.engine = engine
-        self.metrics = metrics
+    def __init__(self, build: Callable[[], LLMEngine], metrics_window_s: float = 60.0) -> None:
+        """`build` makes the LLMEngine; start() calls it on the engine thread."""
+        self._build = build
+        self._metrics_window_s = metrics_window_s
+        self.engine: LLMEngine | None = None
+        self.metrics: ServingMetrics | None = None
         self._tracked: dict[str, _Tracked] = {}
         self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -89,8 +97,27 @@ class AsyncEngine:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        """Build the engine on its own thread and start the step loop; returns once the engine
+        is ready, raising what building it raised."""
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self.engine = self._build()
+                self.metrics = ServingMetrics(self.engine.model_id, self._metrics_window_s)
+            except BaseException as exc:
+                failure.append(exc)
+                return
+            finally:
+                ready.set()
+            self._run()
+
+        self._thread = threading.Thread(target=run, name="engine-loop", daemon=True)
         self._thread.start()
+        ready.wait()
+        if failure:
+            raise failure[0]
 
     async def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop admitting, let in-flight requests finish for up to grace_s, abort the rest."""

@@ -48,8 +48,10 @@ class LLMEngine:
         tokenizer: PreTrainedTokenizerBase,
         eos_token_ids: Iterable[int],
         config: EngineConfig = EngineConfig(),
+        model_id: str = "model",
     ) -> None:
         self.backend = backend
+        self.model_id = model_id
         self.tokenizer = tokenizer
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)

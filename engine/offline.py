@@ -53,6 +53,7 @@ class LLM:
             loaded.tokenizer,
             eos_token_ids(loaded.config, loaded.tokenizer),
             config,
+            model_id=loaded.model_id,
         )
 
     def encode(self, prompt: str | list[int]) -> list[int]:

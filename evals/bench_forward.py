@@ -14,7 +14,6 @@ import random
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine.backends import create_backend
 from engine.llm_engine import EngineConfig, LLMEngine
@@ -22,7 +21,7 @@ from engine.model.loader import load_model
 from engine.offline import eos_token_ids
 from engine.request import Sequence
 from engine.sampling import SamplingParams
-from evals.harness import token_prompt, write_results
+from evals.harness import hf_reference_model, time_generate, token_prompt, write_results
 from evals.plots import bar_chart
 
 
@@ -65,27 +64,13 @@ def engine_speed(kind: str, loaded, prompts: list[list[int]], decode_tokens: int
     }
 
 
-@torch.inference_mode()
 def generate_speed(loaded, prompts: list[list[int]], decode_tokens: int) -> dict:
-    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict, strict=False)
-    model.tie_weights()
-    model.eval()
-
-    def timed(prompt: list[int], new_tokens: int) -> float:
-        ids = torch.tensor([prompt])
-        start = time.perf_counter()
-        model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, do_sample=False,
-        )  # fmt: skip
-        return time.perf_counter() - start
-
-    timed(prompts[0], 4)  # warm-up
+    model = hf_reference_model(loaded)
+    time_generate(model, prompts[0], 4)  # warm-up
     prefill_s = decode_s = 0.0
     for prompt in prompts:
-        first = timed(prompt, 1)
-        full = timed(prompt, decode_tokens + 1)
+        first = time_generate(model, prompt, 1)
+        full = time_generate(model, prompt, decode_tokens + 1)
         prefill_s += first
         decode_s += full - first
     tokens = sum(len(p) for p in prompts)

@@ -15,35 +15,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import time
-
-import torch
-from transformers import AutoModelForCausalLM
 
 from engine.model.loader import load_model
-from evals.harness import RESULTS, closed_loop, pct, running_server, summarize, token_prompt, write_results
+from evals.harness import (
+    RESULTS,
+    closed_loop,
+    hf_reference_model,
+    pct,
+    running_server,
+    summarize,
+    time_generate,
+    token_prompt,
+    write_results,
+)
 from evals.plots import line_chart
 
 
-@torch.inference_mode()
 def naive_service_times(loaded, prompts: list[list[int]], output_tokens: int) -> dict:
-    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict, strict=False)
-    model.tie_weights()
-    model.eval()
-
-    def timed(prompt: list[int], new_tokens: int) -> float:
-        ids = torch.tensor([prompt])
-        start = time.perf_counter()
-        model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, do_sample=False,
-        )  # fmt: skip
-        return time.perf_counter() - start
-
-    timed(prompts[0], 2)  # warm-up
-    prefill = [timed(p, 1) for p in prompts]
-    service = [timed(p, output_tokens) for p in prompts]
+    model = hf_reference_model(loaded)
+    time_generate(model, prompts[0], 2)  # warm-up
+    prefill = [time_generate(model, p, 1) for p in prompts]
+    service = [time_generate(model, p, output_tokens) for p in prompts]
     return {"prefill_s": prefill, "service_s": service}
 
 

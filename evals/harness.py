@@ -34,6 +34,28 @@ WORDS = (
 ).split()
 
 
+def hf_reference_model(loaded):
+    """transformers' own CausalLM with the loaded weights: the naive baseline."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict, strict=False)
+    model.tie_weights()
+    return model.eval()
+
+
+@torch.inference_mode()
+def time_generate(model, prompt: list[int], new_tokens: int) -> float:
+    """Seconds for transformers' `generate` to produce exactly new_tokens greedy tokens."""
+    ids = torch.tensor([prompt])
+    start = time.perf_counter()
+    model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens, do_sample=False,
+    )  # fmt: skip
+    return time.perf_counter() - start
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -11,7 +11,6 @@ import time
 import pytest
 
 from engine.async_engine import AsyncEngine, EngineOverloaded, RequestTooLarge
-from engine.metrics import ServingMetrics
 from engine.request import FinishReason, Sequence
 from tests.engine_harness import (
     PROMPTS,
@@ -170,7 +169,7 @@ async def test_async_engine_streams_concurrent_requests_and_frees_an_abandoned_o
 ):
     alone = [greedy_alone(loaded, p, 6) for p in prompts[:4]]
     engine = new_engine(loaded, max_active_kv_tokens=1024)
-    server = AsyncEngine(engine, ServingMetrics("test"))
+    server = AsyncEngine(lambda: engine)
     server.start()
     try:
 
@@ -205,16 +204,18 @@ async def test_async_engine_streams_concurrent_requests_and_frees_an_abandoned_o
 
 async def test_async_engine_refuses_when_the_queue_is_full(loaded, prompts):
     engine = new_engine(loaded, max_active_kv_tokens=256, max_queue_len=1)
-    server = AsyncEngine(engine, ServingMetrics("test"))
-    # The loop is not started yet, so the first request stays in the queue.
-    first = server.submit(Sequence(prompts[0], greedy(2), request_id="first"))
-    with pytest.raises(EngineOverloaded, match="overloaded") as info:
-        server.submit(Sequence(prompts[1], greedy(2), request_id="second"))
-    assert isinstance(info.value.retry_after_s, int) and info.value.retry_after_s >= 1
-    with pytest.raises(RequestTooLarge):
-        server.submit(Sequence(long_prompt(loaded, 300), greedy(2), request_id="huge"))
+    server = AsyncEngine(lambda: engine)
     server.start()
     try:
+        # Holding the scheduler's (reentrant) lock stalls the engine thread's next schedule(),
+        # so the first request stays in the queue while this thread submits more.
+        with engine.scheduler._lock:
+            first = server.submit(Sequence(prompts[0], greedy(2), request_id="first"))
+            with pytest.raises(EngineOverloaded, match="overloaded") as info:
+                server.submit(Sequence(prompts[1], greedy(2), request_id="second"))
+            assert isinstance(info.value.retry_after_s, int) and info.value.retry_after_s >= 1
+            with pytest.raises(RequestTooLarge):
+                server.submit(Sequence(long_prompt(loaded, 300), greedy(2), request_id="huge"))
         outputs = [out async for out in first]
         assert outputs[-1].finished and outputs[-1].finish_reason is FinishReason.LENGTH
         # Once the queue drained the same request is accepted.

@@ -19,6 +19,11 @@ from engine.backends import create_backend
 from engine.backends.custom import CustomBackend
 from engine.backends.hf import HFBackend
 from engine.model.architecture import architecture_from_config
+from tests.forward_contract import (  # noqa: F401  (shared tests, collected in this module too)
+    prompt,
+    test_hf_backend_matches_custom_on_a_mixed_batch,
+    test_scattered_blocks_give_the_same_logits,
+)
 from tests.paged_driver import PagedDriver, engine_greedy, hf_greedy, hf_model
 
 CPU = torch.device("cpu")
@@ -60,10 +65,6 @@ def hf_kwargs(config: Gemma3TextConfig) -> dict:
     # we apply it as configured, and hand it to transformers' eager attention explicitly.
     cap = config.attn_logit_softcapping
     return {} if cap is None else {"softcap": cap}
-
-
-def prompt(n: int, seed: int, vocab: int) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -111,29 +112,6 @@ def test_batch_of_different_lengths_matches_each_alone(setup):
         assert [int(x.argmax()) for x in together[seq]] == [int(x.argmax()) for x in alone]
         assert max((a - b).abs().max().item() for a, b in zip(together[seq], alone)) < 2e-5
 
-
-def test_scattered_blocks_give_the_same_logits(setup):
-    _, config, _, weights = setup
-    backend = CustomBackend(config, weights, CPU, torch.float32, 256)
-    prompts = {0: prompt(11, 20, config.vocab_size), 1: prompt(6, 21, config.vocab_size)}
-    contiguous = engine_greedy(PagedDriver(backend, num_blocks=64, block_size=2), prompts, 12)
-    scattered = engine_greedy(PagedDriver(backend, num_blocks=64, block_size=2, shuffle_blocks=7), prompts, 12)
-    for seq in prompts:
-        assert all(torch.equal(a, b) for a, b in zip(contiguous[seq], scattered[seq]))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_hf_backend_matches_custom_on_a_mixed_batch(setup, dtype):
-    _, config, _, weights = setup
-    prompts = {0: prompt(7, 30, config.vocab_size), 1: prompt(3, 31, config.vocab_size)}
-    joins = {2: {2: prompt(10, 32, config.vocab_size)}}
-    results = [
-        engine_greedy(PagedDriver(backend_class(config, weights, CPU, dtype, 256), shuffle_blocks=8),
-                      prompts, 8, joins=joins)
-        for backend_class in (CustomBackend, HFBackend)
-    ]
-    for seq in (0, 1, 2):
-        assert all(torch.equal(a, b) for a, b in zip(results[0][seq], results[1][seq]))
 
 
 def test_bidirectional_attention_is_rejected():

@@ -18,6 +18,11 @@ from transformers import Gemma4TextConfig
 from engine.backends.custom import CustomBackend
 from engine.backends.hf import HFBackend
 from engine.model.architecture import architecture_from_config
+from tests.forward_contract import (  # noqa: F401  (shared tests, collected in this module too)
+    prompt,
+    test_hf_backend_matches_custom_on_a_mixed_batch,
+    test_scattered_blocks_give_the_same_logits,
+)
 from tests.paged_driver import PagedDriver, engine_greedy, hf_greedy, hf_model
 
 CPU = torch.device("cpu")
@@ -54,10 +59,6 @@ def mha_config() -> Gemma4TextConfig:
 
 
 CONFIGS = {"full_featured": full_featured_config, "mha": mha_config}
-
-
-def prompt(n: int, seed: int, vocab: int) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -117,29 +118,6 @@ def test_batch_of_different_lengths_matches_each_alone(setup):
         assert [int(x.argmax()) for x in together[seq]] == [int(x.argmax()) for x in alone]
         assert max((a - b).abs().max().item() for a, b in zip(together[seq], alone)) < 2e-5
 
-
-def test_scattered_blocks_give_the_same_logits(setup):
-    _, config, _, weights = setup
-    backend = CustomBackend(config, weights, CPU, torch.float32, 256)
-    prompts = {0: prompt(11, 20, config.vocab_size), 1: prompt(6, 21, config.vocab_size)}
-    contiguous = engine_greedy(PagedDriver(backend, num_blocks=64, block_size=2), prompts, 12)
-    scattered = engine_greedy(PagedDriver(backend, num_blocks=64, block_size=2, shuffle_blocks=7), prompts, 12)
-    for seq in prompts:
-        assert all(torch.equal(a, b) for a, b in zip(contiguous[seq], scattered[seq]))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_hf_backend_matches_custom_on_a_mixed_batch(setup, dtype):
-    _, config, _, weights = setup
-    prompts = {0: prompt(7, 30, config.vocab_size), 1: prompt(3, 31, config.vocab_size)}
-    joins = {2: {2: prompt(10, 32, config.vocab_size)}}
-    results = [
-        engine_greedy(PagedDriver(backend_class(config, weights, CPU, dtype, 256), shuffle_blocks=8),
-                      prompts, 8, joins=joins)
-        for backend_class in (CustomBackend, HFBackend)
-    ]
-    for seq in (0, 1, 2):
-        assert all(torch.equal(a, b) for a, b in zip(results[0][seq], results[1][seq]))
 
 
 def test_kv_shared_layers_store_nothing(setup):
