@@ -49,6 +49,8 @@ def build_server_state(settings: Settings, created: int) -> ServerState:
                 max_active_kv_tokens=settings.MAX_ACTIVE_KV_TOKENS,
                 scheduling_policy=settings.SCHEDULING_POLICY,
                 enable_prefix_caching=settings.PREFIX_CACHING,
+                max_inflight_per_tenant=settings.MAX_INFLIGHT_PER_TENANT,
+                max_inflight_per_session=settings.MAX_INFLIGHT_PER_SESSION,
             ),
             model_id=loaded.model_id,
         )

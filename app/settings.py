@@ -19,6 +19,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     MAX_ACTIVE_KV_TOKENS: int | None = None  # None: sized from memory
     KV_BLOCK_SIZE: int = 16
     MAX_QUEUE_LEN: int = 256
+    MAX_INFLIGHT_PER_TENANT: int | None = None  # accepted, unfinished requests; None: no limit
+    MAX_INFLIGHT_PER_SESSION: int | None = None
     MAX_NUM_BATCHED_TOKENS: int = 512  # per-step token budget (prefill chunks + decodes)
     SCHEDULING_POLICY: Literal["fcfs", "vtc"] = "vtc"
     EVICTION_POLICY: Literal["none", "lru", "sink", "h2o"] = "none"
