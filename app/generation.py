@@ -158,8 +158,13 @@ class GenerationService:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        eviction_policy: str | None = None,
+        kv_tokens: int | None = None,
     ) -> list[RequestStream]:
-        """Submit every prompt x n choices; all or none are admitted (429/400 otherwise)."""
+        """Submit every prompt x n choices; all or none are admitted (429/400 otherwise).
+        `eviction_policy` and `kv_tokens` override the server's per-session defaults."""
+        policy = eviction_policy or self.eviction_policy
+        budget = (kv_tokens or self.session_kv_tokens) if policy != "none" else None
         queue_len = self.engine.engine.scheduler.config.max_queue_len
         if len(prompts) * n > queue_len:  # could never be admitted: retrying (429) cannot help
             raise invalid_value(
@@ -179,10 +184,8 @@ class GenerationService:
                         session_id=identity.session_id,
                         priority=priority,
                         cache_salt=cache_salt,
-                        eviction_policy=self.eviction_policy,
-                        max_kv_tokens=self.session_kv_tokens
-                        if self.eviction_policy != "none"
-                        else None,
+                        eviction_policy=policy,
+                        max_kv_tokens=budget,
                     )
                     streams.append(self.engine.submit(seq))
         except EngineOverloaded as exc:

@@ -37,6 +37,7 @@ from compat.request_types import (
 )
 from compat.response_types import ChatLogprobs, CompletionLogprobs, Usage
 from engine.async_engine import RequestStream
+from engine.kv.eviction import EVICTION_POLICIES
 
 log = structlog.get_logger(__name__)
 
@@ -146,6 +147,8 @@ class ChatSession:
     name: str
     history: list[dict[str, Any]] = field(default_factory=list)
     busy: bool = False  # a turn is in flight; turns of one conversation are sequential
+    eviction_policy: str | None = None  # this session's KV eviction; None: the server default
+    kv_tokens: int | None = None  # its KV budget under that policy; None: the server default
 
 
 @dataclass
@@ -349,7 +352,15 @@ class WsConnection:
                 "session",
                 f"A socket holds at most {MAX_SESSIONS_PER_SOCKET} sessions; end one first.",
             )
-        self.sessions[name] = ChatSession(name)
+        policy = _string_field(message, "eviction_policy", required=False)
+        if policy is not None and policy not in EVICTION_POLICIES:
+            raise invalid_value(
+                "eviction_policy", f"'eviction_policy' must be one of {', '.join(EVICTION_POLICIES)}."
+            )
+        kv_tokens = message.get("kv_tokens")
+        if kv_tokens is not None and (type(kv_tokens) is not int or kv_tokens < 1):
+            raise invalid_value("kv_tokens", "'kv_tokens' must be a positive integer.")
+        self.sessions[name] = ChatSession(name, eviction_policy=policy, kv_tokens=kv_tokens)
         return SessionStarted(session=name)
 
     def end_session(self, message: dict[str, Any]) -> SessionEnded:
@@ -390,7 +401,7 @@ class WsConnection:
         req = decode_chat_completion_request(body) if is_chat else decode_completion_request(body)
         if session is not None and req.num_choices != 1:
             raise invalid_value("n", "A session turn has exactly one choice (n = 1).")
-        generation = self._admit(generation_id, req)
+        generation = self._admit(generation_id, req, session)
         if session is not None:
             session.busy = True
             generation.session, generation.new_messages = session, new_messages
@@ -423,7 +434,10 @@ class WsConnection:
         return endpoint == "chat"
 
     def _admit(
-        self, generation_id: str, req: ChatCompletionRequest | CompletionRequest
+        self,
+        generation_id: str,
+        req: ChatCompletionRequest | CompletionRequest,
+        session: ChatSession | None = None,
     ) -> Generation:
         """Tokenize, check against the context, and submit every prompt x n choices."""
         service = self.service
@@ -437,6 +451,8 @@ class WsConnection:
         streams = service.submit(
             prompts, req.num_choices, identity, priority=req.priority or 0,
             cache_salt=req.cache_salt,
+            eviction_policy=session.eviction_policy if session else None,
+            kv_tokens=session.kv_tokens if session else None,
         )  # fmt: skip
         return Generation(generation_id, is_chat, req, streams, req.num_choices, echo_texts)
 

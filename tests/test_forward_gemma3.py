@@ -113,7 +113,6 @@ def test_batch_of_different_lengths_matches_each_alone(setup):
         assert max((a - b).abs().max().item() for a, b in zip(together[seq], alone)) < 2e-5
 
 
-
 def test_bidirectional_attention_is_rejected():
     config = mha_config()
     config.use_bidirectional_attention = True

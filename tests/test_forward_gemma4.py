@@ -119,7 +119,6 @@ def test_batch_of_different_lengths_matches_each_alone(setup):
         assert max((a - b).abs().max().item() for a, b in zip(together[seq], alone)) < 2e-5
 
 
-
 def test_kv_shared_layers_store_nothing(setup):
     _, config, _, weights = setup
     backend = CustomBackend(config, weights, CPU, torch.float32, 256)

@@ -275,6 +275,31 @@ async def test_session_turns_reuse_the_cached_prefix(
     assert error["error"]["param"] == "session"
 
 
+async def test_a_session_chooses_its_own_kv_eviction(
+    server: RunningServer, ws: ClientConnection
+) -> None:
+    """A sink session with a 64-token KV budget generates 160 tokens: its blocks are evicted as
+    it goes (the server default is no eviction) and the turn completes."""
+    evicted_before = (await api_metrics(server))["kv"]["evicted_blocks"]
+    await send(ws, {"type": "session.start", "session": "long", "eviction_policy": "sink",
+                    "kv_tokens": 64})  # fmt: skip
+    assert await recv(ws) == {"type": "session.started", "session": "long"}
+    await send(ws, chat("s0", "Tell me everything.", max_tokens=160, ignore_eos=True,
+                        session="long"))  # fmt: skip
+    done = final(await until_finished(ws, {"s0"}), "s0")
+    assert done["type"] == "done" and done["finish_reason"] == "length"
+    assert done["usage"]["completion_tokens"] == 160
+    snapshot = await wait_idle(server)
+    # Over ~170 tokens in 16-token blocks with a 4-block budget: at least 6 blocks dropped.
+    assert snapshot["kv"]["evicted_blocks"] - evicted_before >= 6
+
+    for bad, param in (({"eviction_policy": "fifo"}, "eviction_policy"),
+                       ({"eviction_policy": "lru", "kv_tokens": 0}, "kv_tokens")):  # fmt: skip
+        await send(ws, {"type": "session.start", **bad})
+        error = await recv(ws)
+        assert error["type"] == "error" and error["error"]["param"] == param
+
+
 async def test_session_refusals(server: RunningServer, ws: ClientConnection) -> None:
     await send(ws, {"type": "session.start"})
     started = await recv(ws)
