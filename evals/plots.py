@@ -44,12 +44,13 @@ def line_chart(
 ) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name, values in series.items():
-        ax.plot(x, values, marker="o", label=name)
+        ax.plot(x, values, marker="o" if len(x) <= 12 else None, label=name)
     ax.set_xlabel(x_label)
     ax.set_ylabel(y_label)
     if log_y:
         ax.set_yscale("log")
-    ax.set_xticks(x)
+    if len(x) <= 12:
+        ax.set_xticks(x)
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title(title)
