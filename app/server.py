@@ -13,7 +13,6 @@ from engine.backends import create_backend
 from engine.device import resolve_device, resolve_dtype
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model.loader import load_model
-from engine.offline import eos_token_ids
 
 log = structlog.get_logger(__name__)
 
@@ -37,10 +36,9 @@ def build_server_state(settings: Settings, created: int) -> ServerState:
     def build_engine() -> LLMEngine:
         # Runs on the engine thread: loading, backend and KV allocation included (see AsyncEngine).
         loaded = load_model(settings.MODEL_NAME, dtype)
-        return LLMEngine(
+        return LLMEngine.for_model(
+            loaded,
             create_backend(settings.BACKEND, loaded, device, dtype),
-            loaded.tokenizer,
-            eos_token_ids(loaded.config, loaded.tokenizer),
             EngineConfig(
                 max_batch_size=settings.MAX_BATCH_SIZE,
                 max_num_batched_tokens=settings.MAX_NUM_BATCHED_TOKENS,
@@ -52,7 +50,6 @@ def build_server_state(settings: Settings, created: int) -> ServerState:
                 max_inflight_per_tenant=settings.MAX_INFLIGHT_PER_TENANT,
                 max_inflight_per_session=settings.MAX_INFLIGHT_PER_SESSION,
             ),
-            model_id=loaded.model_id,
         )
 
     async_engine = AsyncEngine(build_engine)

@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from engine.backends.base import InferenceBackend
 from engine.detokenizer import IncrementalDetokenizer, check_stop
 from engine.kv.manager import KVCacheManager
+from engine.model.loader import LoadedModel
 from engine.request import FinishReason, Sequence, StepOutput
 from engine.sampler import Sampler, SamplingRow
 from engine.sched.admission import AddResult
@@ -75,6 +76,13 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids)
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self.num_steps = 0
+
+    @classmethod
+    def for_model(
+        cls, loaded: LoadedModel, backend: InferenceBackend, config: EngineConfig = EngineConfig()
+    ) -> LLMEngine:
+        """An engine over `backend` with the loaded model's tokenizer, EOS ids and name."""
+        return cls(backend, loaded.tokenizer, loaded.eos_token_ids, config, model_id=loaded.model_id)
 
     def add(self, seq: Sequence) -> AddResult:
         """Offer a sequence to the scheduler; accepted ones keep their detokenizer."""

@@ -48,12 +48,8 @@ class LLM:
         loaded = model if isinstance(model, LoadedModel) else load_model(model, self.dtype)
         self.model_id = loaded.model_id
         self.tokenizer = loaded.tokenizer
-        self.engine = LLMEngine(
-            create_backend(backend, loaded, self.device, self.dtype),
-            loaded.tokenizer,
-            eos_token_ids(loaded.config, loaded.tokenizer),
-            config,
-            model_id=loaded.model_id,
+        self.engine = LLMEngine.for_model(
+            loaded, create_backend(backend, loaded, self.device, self.dtype), config
         )
 
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -125,15 +121,3 @@ class LLM:
             for seq in seqs
         ]
 
-
-def eos_token_ids(config, tokenizer) -> set[int]:
-    """Every id that ends generation: the config's eos id(s) and the tokenizer's."""
-    ids: set[int] = set()
-    configured = getattr(config, "eos_token_id", None)
-    if isinstance(configured, int):
-        ids.add(configured)
-    elif configured:
-        ids.update(configured)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids

@@ -15,7 +15,6 @@ import torch
 from engine.backends import create_backend
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model.loader import load_model
-from engine.offline import eos_token_ids
 from engine.request import Sequence
 from engine.sampling import SamplingParams
 from evals.harness import token_prompt, write_results
@@ -32,10 +31,9 @@ def main() -> None:
     args = parser.parse_args()
 
     loaded = load_model()
-    engine = LLMEngine(
+    engine = LLMEngine.for_model(
+        loaded,
         create_backend("custom", loaded, torch.device("cpu"), torch.float32),
-        loaded.tokenizer,
-        eos_token_ids(loaded.config, loaded.tokenizer),
         EngineConfig(
             max_batch_size=args.requests, max_num_batched_tokens=2048,
             max_active_kv_tokens=args.kv_tokens, enable_prefix_caching=False,

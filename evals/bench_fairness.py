@@ -15,7 +15,6 @@ import torch
 from engine.backends import create_backend
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model.loader import load_model
-from engine.offline import eos_token_ids
 from engine.request import Sequence
 from engine.sampling import SamplingParams
 from evals.harness import token_prompt, write_results
@@ -23,10 +22,9 @@ from evals.plots import line_chart
 
 
 def run(policy: str, loaded, backend, args) -> dict:
-    engine = LLMEngine(
+    engine = LLMEngine.for_model(
+        loaded,
         backend,
-        loaded.tokenizer,
-        eos_token_ids(loaded.config, loaded.tokenizer),
         EngineConfig(
             max_batch_size=args.batch, max_num_batched_tokens=256, max_queue_len=1024,
             max_active_kv_tokens=16384, scheduling_policy=policy, enable_prefix_caching=False,

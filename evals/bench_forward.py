@@ -18,7 +18,6 @@ import torch
 from engine.backends import create_backend
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model.loader import load_model
-from engine.offline import eos_token_ids
 from engine.request import Sequence
 from engine.sampling import SamplingParams
 from evals.harness import hf_reference_model, time_generate, token_prompt, write_results
@@ -28,15 +27,15 @@ from evals.plots import bar_chart
 def engine_speed(kind: str, loaded, prompts: list[list[int]], decode_tokens: int) -> dict:
     backend = create_backend(kind, loaded, torch.device("cpu"), torch.float32)
     longest = max(len(p) for p in prompts)
-    engine = LLMEngine(
+    engine = LLMEngine.for_model(
+        loaded,
         backend,
-        loaded.tokenizer,
-        eos_token_ids(loaded.config, loaded.tokenizer),
         EngineConfig(
             max_batch_size=1, max_num_batched_tokens=longest, enable_prefix_caching=False,
             max_active_kv_tokens=longest + decode_tokens + 64,
         ),
     )  # fmt: skip
+
     def run(prompt: list[int]) -> list[float]:
         """Seconds of each engine step: the first computes the prompt, the rest decode."""
         params = SamplingParams(max_tokens=decode_tokens + 1, temperature=0.0, ignore_eos=True)

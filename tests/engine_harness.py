@@ -22,7 +22,6 @@ from engine.backends import InferenceBackend, create_backend
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model.batch import ForwardBatch
 from engine.model.loader import LoadedModel
-from engine.offline import eos_token_ids
 from engine.request import Sequence, StepOutput
 from engine.sampling import SamplingParams
 
@@ -59,12 +58,7 @@ def shared_backend(loaded: LoadedModel, role: str = "test") -> InferenceBackend:
 
 
 def new_engine(loaded: LoadedModel, role: str = "test", **config) -> LLMEngine:
-    return LLMEngine(
-        shared_backend(loaded, role),
-        loaded.tokenizer,
-        eos_token_ids(loaded.config, loaded.tokenizer),
-        EngineConfig(**config),
-    )
+    return LLMEngine.for_model(loaded, shared_backend(loaded, role), EngineConfig(**config))
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:

@@ -40,6 +40,19 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     max_model_len: int
 
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """Every id that ends generation: the config's eos id(s) and the tokenizer's."""
+        ids: set[int] = set()
+        configured = getattr(self.config, "eos_token_id", None)
+        if isinstance(configured, int):
+            ids.add(configured)
+        elif configured:
+            ids.update(configured)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("GEMMA_SERVE_CACHE", Path.home() / ".cache" / "gemma-serve"))
