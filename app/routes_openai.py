@@ -71,8 +71,13 @@ async def _client_disconnected(request: Request) -> None:
 
 
 async def _sse(chunks: AsyncIterator[object]) -> AsyncIterator[bytes]:
-    async for chunk in chunks:
-        yield sse_event(chunk)
+    """SSE frames of the chunks, then [DONE]. A failure after the 200 went out (the engine
+    failed mid-generation) becomes an error event, which OpenAI clients raise as an error."""
+    try:
+        async for chunk in chunks:
+            yield sse_event(chunk)
+    except ApiError as exc:
+        yield sse_event(exc.body())
     yield SSE_DONE
 
 
