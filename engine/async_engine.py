@@ -92,7 +92,6 @@ class AsyncEngine:
         self._stopping = False
         self._accepting = True
         self._thread: threading.Thread | None = None
-        self.last_error: BaseException | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -206,7 +205,6 @@ class AsyncEngine:
                 outputs = self.engine.step()
             except Exception as exc:  # a bug or device failure: fail in-flight requests, keep serving
                 log.exception("engine step failed")
-                self.last_error = exc
                 self._fail_all(exc)
                 continue
             self._deliver(outputs)

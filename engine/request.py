@@ -72,11 +72,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    @property
-    def is_prefilling(self) -> bool:
-        """True while the prompt (or, after preemption, prompt + output) is not all cached."""
-        return self.num_computed_tokens < self.num_tokens - 1
-
 
 @dataclass
 class TokenLogprob:
