@@ -202,6 +202,18 @@ class GenerationService:
         )  # fmt: skip
         return streams
 
+    def _submit_request(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        prompts: list[PreparedPrompt],
+        identity: Identity,
+    ) -> list[RequestStream]:
+        """submit() with the request's choices, priority and cache salt."""
+        return self.submit(
+            prompts, req.num_choices, identity, priority=req.priority or 0,
+            cache_salt=req.cache_salt,
+        )  # fmt: skip
+
     async def merged(
         self, streams: list[RequestStream]
     ) -> AsyncIterator[tuple[int, StepOutput]]:
@@ -243,9 +255,7 @@ class GenerationService:
     async def completion(self, req: CompletionRequest, identity: Identity) -> Completion:
         prompts = self.prepare_completion(req)
         n = req.num_choices
-        streams = self.submit(
-            prompts, n, identity, priority=req.priority or 0, cache_salt=req.cache_salt
-        )
+        streams = self._submit_request(req, prompts, identity)
         choices = [ChoiceState(i) for i in range(len(streams))]
         async for index, out in self.merged(streams):
             choices[index].add(out)
@@ -273,9 +283,7 @@ class GenerationService:
         """Validate and admit now (errors raise before anything is sent), then stream."""
         prompts = self.prepare_completion(req)
         n = req.num_choices
-        streams = self.submit(
-            prompts, n, identity, priority=req.priority or 0, cache_salt=req.cache_salt
-        )
+        streams = self._submit_request(req, prompts, identity)
         return self._completion_chunks(req, prompts, n, streams)
 
     async def _completion_chunks(
@@ -326,9 +334,7 @@ class GenerationService:
     async def chat(self, req: ChatCompletionRequest, identity: Identity) -> ChatCompletion:
         prompt = self.prepare_chat(req)
         n = req.num_choices
-        streams = self.submit(
-            [prompt], n, identity, priority=req.priority or 0, cache_salt=req.cache_salt
-        )
+        streams = self._submit_request(req, [prompt], identity)
         choices = [ChoiceState(i) for i in range(n)]
         async for index, out in self.merged(streams):
             choices[index].add(out)
@@ -356,9 +362,7 @@ class GenerationService:
         """Validate and admit now (errors raise before anything is sent), then stream."""
         prompt = self.prepare_chat(req)
         n = req.num_choices
-        streams = self.submit(
-            [prompt], n, identity, priority=req.priority or 0, cache_salt=req.cache_salt
-        )
+        streams = self._submit_request(req, [prompt], identity)
         return self._chat_chunks(req, n, streams)
 
     async def _chat_chunks(
