@@ -214,9 +214,7 @@ class GenerationService:
             cache_salt=req.cache_salt,
         )  # fmt: skip
 
-    async def merged(
-        self, streams: list[RequestStream]
-    ) -> AsyncIterator[tuple[int, StepOutput]]:
+    async def merged(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, StepOutput]]:
         """(choice index, output) from all streams as they arrive; aborts all on exit."""
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -346,9 +344,7 @@ class GenerationService:
                 ChatChoice(
                     index=c.index,
                     message=ChatResponseMessage(content="".join(c.text)),
-                    logprobs=chat_logprobs(c.logprobs, self.token_text)
-                    if req.logprobs
-                    else None,
+                    logprobs=chat_logprobs(c.logprobs, self.token_text) if req.logprobs else None,
                     finish_reason=openai_finish_reason(c.finish_reason),
                 )
                 for c in choices
@@ -417,4 +413,3 @@ def usage_of(choices: list[ChoiceState], n: int) -> Usage:
     cached = sum(c.cached_tokens for c in choices[::n])
     completion_tokens = sum(len(c.token_ids) for c in choices)
     return make_usage(prompt_tokens, completion_tokens, cached)
-

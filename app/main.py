@@ -50,7 +50,10 @@ def create_app(settings: Settings | None = None) -> Litestar:
 
     return Litestar(
         route_handlers=[
-            *routes_openai.ROUTES, *routes_ops.ROUTES, *routes_ws.ROUTES, *web_routes.ROUTES
+            *routes_openai.ROUTES,
+            *routes_ops.ROUTES,
+            *routes_ws.ROUTES,
+            *web_routes.ROUTES,
         ],
         lifespan=[lifespan],
         exception_handlers=EXCEPTION_HANDLERS,

@@ -227,9 +227,7 @@ class WsConnection:
                 f"We could not parse the message as JSON: {exc}", code="invalid_json"
             ) from None
         if not isinstance(message, dict):
-            raise ApiError(
-                "A message must be a JSON object with a 'type'.", code="invalid_type"
-            )
+            raise ApiError("A message must be a JSON object with a 'type'.", code="invalid_type")
         return message
 
     # ------------------------------------------------------------------ lifecycle
@@ -278,7 +276,7 @@ class WsConnection:
             message = self.parse(frame)
             if message.get("type") != "auth":
                 raise _unauthorized(
-                    "Authenticate first: send {\"type\": \"auth\", \"api_key\": KEY} as the "
+                    'Authenticate first: send {"type": "auth", "api_key": KEY} as the '
                     "first message, or the Authorization: Bearer header on the handshake.",
                     "missing_api_key",
                 )
@@ -355,7 +353,8 @@ class WsConnection:
         policy = _string_field(message, "eviction_policy", required=False)
         if policy is not None and policy not in EVICTION_POLICIES:
             raise invalid_value(
-                "eviction_policy", f"'eviction_policy' must be one of {', '.join(EVICTION_POLICIES)}."
+                "eviction_policy",
+                f"'eviction_policy' must be one of {', '.join(EVICTION_POLICIES)}.",
             )
         kv_tokens = message.get("kv_tokens")
         if kv_tokens is not None and (type(kv_tokens) is not int or kv_tokens < 1):

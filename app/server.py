@@ -69,4 +69,6 @@ def build_server_state(settings: Settings, created: int) -> ServerState:
         block_size=settings.KV_BLOCK_SIZE,
         policy=settings.SCHEDULING_POLICY,
     )
-    return ServerState(settings, async_engine, service, async_engine.metrics, engine.model_id, created)
+    return ServerState(
+        settings, async_engine, service, async_engine.metrics, engine.model_id, created
+    )

@@ -77,7 +77,7 @@ class Completion(msgspec.Struct, kw_only=True):
     model: str
     system_fingerprint: str | UnsetType = UNSET
     choices: list[CompletionChoice]
-    usage: Usage | None | UnsetType = UNSET
+    usage: Usage | UnsetType | None = UNSET
 
 
 # --- /v1/chat/completions ----------------------------------------------------------------------
@@ -147,7 +147,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     model: str
     system_fingerprint: str | UnsetType = UNSET
     choices: list[ChatChunkChoice]
-    usage: Usage | None | UnsetType = UNSET
+    usage: Usage | UnsetType | None = UNSET
 
 
 # --- /v1/models --------------------------------------------------------------------------------

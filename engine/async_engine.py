@@ -203,7 +203,9 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # a bug or device failure: fail in-flight requests, keep serving
+            except (
+                Exception
+            ) as exc:  # a bug or device failure: fail in-flight requests, keep serving
                 log.exception("engine step failed")
                 self._fail_all(exc)
                 continue
@@ -251,7 +253,9 @@ class AsyncEngine:
         now = time.monotonic()
         self.metrics.record_finished(
             e2e_s=now - tracked.arrival,
-            ttft_s=None if tracked.first_token_at is None else tracked.first_token_at - tracked.arrival,
+            ttft_s=None
+            if tracked.first_token_at is None
+            else tracked.first_token_at - tracked.arrival,
             prompt_tokens=tracked.seq.num_prompt_tokens,
             output_tokens=tracked.seq.num_output_tokens,
             finish_reason=reason.value,

@@ -44,7 +44,9 @@ def parse_dtype(name: str) -> torch.dtype:
     try:
         return _DTYPES[name.strip().lower()]
     except KeyError:
-        raise ValueError(f"unsupported DTYPE {name!r}: expected float32, bfloat16 or float16") from None
+        raise ValueError(
+            f"unsupported DTYPE {name!r}: expected float32, bfloat16 or float16"
+        ) from None
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:

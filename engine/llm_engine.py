@@ -82,7 +82,9 @@ class LLMEngine:
         cls, loaded: LoadedModel, backend: InferenceBackend, config: EngineConfig = EngineConfig()
     ) -> LLMEngine:
         """An engine over `backend` with the loaded model's tokenizer, EOS ids and name."""
-        return cls(backend, loaded.tokenizer, loaded.eos_token_ids, config, model_id=loaded.model_id)
+        return cls(
+            backend, loaded.tokenizer, loaded.eos_token_ids, config, model_id=loaded.model_id
+        )
 
     def add(self, seq: Sequence) -> AddResult:
         """Offer a sequence to the scheduler; accepted ones keep their detokenizer."""

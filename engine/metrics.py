@@ -201,4 +201,3 @@ class ServingMetrics:
                 "e2e_s": self.e2e.summary(),
                 "throughput_tokens_per_s": self.generated.total() / span,
             }
-

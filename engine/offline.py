@@ -62,7 +62,9 @@ class LLM:
             raise InvalidRequestError("prompt must not be empty", "prompt")
         vocab = self.engine.backend.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+            raise InvalidRequestError(
+                f"prompt token ids must be integers in [0, {vocab})", "prompt"
+            )
         return list(prompt)
 
     def generate(
@@ -76,7 +78,9 @@ class LLM:
         if not prompts:
             raise InvalidRequestError("prompts must not be empty", "prompt")
         params = sampling or SamplingParams()
-        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        params_list = (
+            [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        )
         if len(params_list) != len(prompts):
             raise InvalidRequestError("one SamplingParams per prompt, or a single one", "sampling")
         seqs = []
@@ -120,4 +124,3 @@ class LLM:
             )
             for seq in seqs
         ]
-

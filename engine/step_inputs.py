@@ -36,9 +36,7 @@ def build_forward_batch(scheduled: list[ScheduledSeq], kv: KVCacheManager) -> Fo
         input_ids=torch.tensor(input_ids, dtype=torch.long),
         positions=torch.tensor(positions, dtype=torch.long),
         query_start=query_start,
-        groups={
-            group: _group_attention(slot_rows[group], key_rows[group]) for group in kv.pools
-        },
+        groups={group: _group_attention(slot_rows[group], key_rows[group]) for group in kv.pools},
         logits_indices=torch.tensor(logits_indices, dtype=torch.long),
         collect_attention=collect_attention,
     )

@@ -24,7 +24,9 @@ from evals.plots import bar_chart
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kv-tokens", type=int, default=16384)
-    parser.add_argument("--max-len", type=int, default=2048, help="the server's max sequence length")
+    parser.add_argument(
+        "--max-len", type=int, default=2048, help="the server's max sequence length"
+    )
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=32)

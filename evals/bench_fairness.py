@@ -34,7 +34,9 @@ def run(policy: str, loaded, backend, args) -> dict:
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
 
     def submit(tenant: str) -> None:
-        engine.add(Sequence(token_prompt(loaded.tokenizer, rng, args.prompt_tokens), params, tenant=tenant))
+        engine.add(
+            Sequence(token_prompt(loaded.tokenizer, rng, args.prompt_tokens), params, tenant=tenant)
+        )
 
     def queued(tenant: str) -> int:
         return sum(s.tenant == tenant for s in engine.scheduler.waiting)

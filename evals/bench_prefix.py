@@ -14,7 +14,15 @@ import random
 import httpx
 
 from engine.model.loader import load_model
-from evals.harness import RESULTS, make_prompt, pct, running_server, stream_completion, token_prompt, write_results
+from evals.harness import (
+    RESULTS,
+    make_prompt,
+    pct,
+    running_server,
+    stream_completion,
+    token_prompt,
+    write_results,
+)
 from evals.plots import bar_chart
 
 
@@ -55,7 +63,10 @@ def main() -> None:
     rng = random.Random(2)
     prompts = [token_prompt(tokenizer, rng, args.prompt_tokens) for _ in range(args.prompts)]
     system = token_prompt(tokenizer, rng, args.prompt_tokens)
-    shared = [system + tokenizer(" " + make_prompt(rng, 24)).input_ids[1:] for _ in range(args.prompts + 1)]
+    shared = [
+        system + tokenizer(" " + make_prompt(rng, 24)).input_ids[1:]
+        for _ in range(args.prompts + 1)
+    ]
 
     with running_server(RESULTS / "bench_prefix.server.log", MAX_NUM_BATCHED_TOKENS=2048) as base:
         result = asyncio.run(measure(base, prompts, shared))

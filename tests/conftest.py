@@ -47,7 +47,16 @@ def start_server(tmp_dir: Path, **settings: str) -> RunningServer:
     log_path = tmp_dir / f"server-{port}.log"
     log_file = log_path.open("w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "app.main:app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
         cwd=tmp_dir,  # no stray .env from the checkout
         env=env | {"PYTHONPATH": str(ROOT)},
         stdout=log_file,

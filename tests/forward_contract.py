@@ -23,7 +23,9 @@ def test_scattered_blocks_give_the_same_logits(setup):
     backend = CustomBackend(config, weights, CPU, torch.float32, 256)
     prompts = {0: prompt(11, 20, config.vocab_size), 1: prompt(6, 21, config.vocab_size)}
     contiguous = engine_greedy(PagedDriver(backend, num_blocks=64, block_size=2), prompts, 12)
-    scattered = engine_greedy(PagedDriver(backend, num_blocks=64, block_size=2, shuffle_blocks=7), prompts, 12)
+    scattered = engine_greedy(
+        PagedDriver(backend, num_blocks=64, block_size=2, shuffle_blocks=7), prompts, 12
+    )
     for seq in prompts:
         assert all(torch.equal(a, b) for a, b in zip(contiguous[seq], scattered[seq]))
 
@@ -34,8 +36,12 @@ def test_hf_backend_matches_custom_on_a_mixed_batch(setup, dtype):
     prompts = {0: prompt(7, 30, config.vocab_size), 1: prompt(3, 31, config.vocab_size)}
     joins = {2: {2: prompt(10, 32, config.vocab_size)}}
     results = [
-        engine_greedy(PagedDriver(backend_class(config, weights, CPU, dtype, 256), shuffle_blocks=8),
-                      prompts, 8, joins=joins)
+        engine_greedy(
+            PagedDriver(backend_class(config, weights, CPU, dtype, 256), shuffle_blocks=8),
+            prompts,
+            8,
+            joins=joins,
+        )
         for backend_class in (CustomBackend, HFBackend)
     ]
     for seq in (0, 1, 2):

@@ -22,7 +22,9 @@ class PagedDriver:
     query can still see (what transformers' sliding cache keeps).
     """
 
-    def __init__(self, backend, num_blocks: int = 64, block_size: int = 4, shuffle_blocks: int | None = None):
+    def __init__(
+        self, backend, num_blocks: int = 64, block_size: int = 4, shuffle_blocks: int | None = None
+    ):
         self.backend = backend
         self.block_size = block_size
         self.groups = {spec.name: spec.sliding_window for spec in backend.cache_groups()}
@@ -40,8 +42,12 @@ class PagedDriver:
             blocks.append(self.free[group].pop(0))
         return blocks[position // self.block_size] * self.block_size + position % self.block_size
 
-    def step(self, new_tokens: dict[int, list[int]], all_logits: bool = False,
-             collect_attention: bool = False):
+    def step(
+        self,
+        new_tokens: dict[int, list[int]],
+        all_logits: bool = False,
+        collect_attention: bool = False,
+    ):
         """Run one forward over `new_tokens` per sequence id; returns ({seq: logits}, output)."""
         ids, positions, query_start, logits_rows, owners = [], [], [0], [], []
         slot_mapping = {name: [] for name in self.groups}
@@ -55,7 +61,9 @@ class PagedDriver:
             for name, window in self.groups.items():
                 slot_mapping[name] += [self._slot(seq, name, p) for p in new_positions]
                 first = 0 if window is None else max(0, start - window + 1)
-                keys[name].append([(self._slot(seq, name, p), p) for p in range(first, start + len(tokens))])
+                keys[name].append(
+                    [(self._slot(seq, name, p), p) for p in range(first, start + len(tokens))]
+                )
             rows = range(len(ids), len(ids) + len(tokens))
             ids += tokens
             positions += new_positions
@@ -129,7 +137,9 @@ def hf_greedy(model, prompt: list[int], steps: int, **kwargs) -> list[torch.Tens
     # The last row's logits only, given as an index: an int would also make Gemma 4 skip the
     # other rows in its KV-shared layers, which changes the float rounding.
     last = torch.tensor([len(prompt) - 1])
-    logits = model(torch.tensor([prompt]), cache=cache, use_cache=True, logits_to_keep=last, **kwargs).logits[0, -1]
+    logits = model(
+        torch.tensor([prompt]), cache=cache, use_cache=True, logits_to_keep=last, **kwargs
+    ).logits[0, -1]
     out = [logits]
     for _ in range(steps):
         token = torch.tensor([[int(logits.argmax())]])
@@ -138,8 +148,12 @@ def hf_greedy(model, prompt: list[int], steps: int, **kwargs) -> list[torch.Tens
     return out
 
 
-def engine_greedy(driver: PagedDriver, prompts: dict[int, list[int]], steps: int,
-                  joins: dict[int, dict[int, list[int]]] | None = None) -> dict[int, list[torch.Tensor]]:
+def engine_greedy(
+    driver: PagedDriver,
+    prompts: dict[int, list[int]],
+    steps: int,
+    joins: dict[int, dict[int, list[int]]] | None = None,
+) -> dict[int, list[torch.Tensor]]:
     """Greedy decoding of several sequences batched together; `joins[step]` adds sequences
     (prefilled in that step, next to the others' decodes). Returns per sequence the logits
     after its prompt and after each of its greedy tokens."""

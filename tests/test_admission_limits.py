@@ -14,7 +14,9 @@ from tests.conftest import MODEL_ID, start_server, stop_server
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
     server = start_server(
-        tmp_path_factory.mktemp("limited"), MAX_INFLIGHT_PER_TENANT="1", MAX_INFLIGHT_PER_SESSION="1"
+        tmp_path_factory.mktemp("limited"),
+        MAX_INFLIGHT_PER_TENANT="1",
+        MAX_INFLIGHT_PER_SESSION="1",
     )
     yield server
     stop_server(server)
@@ -46,7 +48,9 @@ async def test_second_request_of_a_tenant_is_refused_while_the_first_runs(limite
 async def test_session_limit_counts_the_session_header(limited):
     async with httpx.AsyncClient(base_url=limited.v1, timeout=120) as client:
         headers = {"X-Session-Id": "conversation-1"}
-        first = asyncio.create_task(client.post("/completions", json=body("carol"), headers=headers))
+        first = asyncio.create_task(
+            client.post("/completions", json=body("carol"), headers=headers)
+        )
         await asyncio.sleep(0.5)
         refused = await client.post("/completions", json=body("dave", 2), headers=headers)
         assert (await first).status_code == 200

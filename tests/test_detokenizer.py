@@ -44,9 +44,7 @@ def sentencepiece() -> Tokenizer:
     """SentencePiece-style BPE: '▁' for spaces, a decoder that strips the leading space, and
     byte fallback (<0xNN> tokens) for every character outside the ASCII training text."""
     tok = Tokenizer(models.BPE(byte_fallback=True))
-    tok.normalizer = normalizers.Sequence(
-        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-    )
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
     tok.decoder = decoders.Sequence(
         [

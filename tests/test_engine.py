@@ -70,7 +70,9 @@ def test_chunked_prefill_matches_one_chunk_and_never_stalls_decodes(loaded, prom
         outputs = engine.step()
         prefill_steps += 1
         # Every step of the long prefill also gave the short sequence its next token.
-        assert [(seq, len(out.new_token_ids)) for seq, out in outputs if seq is short] == [(short, 1)]
+        assert [(seq, len(out.new_token_ids)) for seq, out in outputs if seq is short] == [
+            (short, 1)
+        ]
         assert long_seq.num_computed_tokens - before <= budget - 1
     assert prefill_steps == math.ceil(len(long) / (budget - 1))
     run(engine)
@@ -164,9 +166,7 @@ async def _wait_until(condition, timeout_s: float = 120.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_async_engine_streams_concurrent_requests_and_frees_an_abandoned_one(
-    loaded, prompts
-):
+async def test_async_engine_streams_concurrent_requests_and_frees_an_abandoned_one(loaded, prompts):
     alone = [greedy_alone(loaded, p, 6) for p in prompts[:4]]
     engine = new_engine(loaded, max_active_kv_tokens=1024)
     server = AsyncEngine(lambda: engine)

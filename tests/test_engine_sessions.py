@@ -42,7 +42,9 @@ def test_next_turn_prefills_only_the_new_text(loaded):
     )
     run(engine, [turn1])
     history = turn1.prompt_token_ids + turn1.output_token_ids
-    new_text = loaded.tokenizer("\nUser: And three green ones?\nAssistant:", add_special_tokens=False)
+    new_text = loaded.tokenizer(
+        "\nUser: And three green ones?\nAssistant:", add_special_tokens=False
+    )
     turn2 = Sequence(history + new_text.input_ids, greedy(8), session_id="chat")
 
     with recorded_forwards(engine.backend) as batches:
@@ -69,8 +71,11 @@ def test_eviction_policies_bound_each_sessions_kv(loaded):
     prompt = encode(loaded, PROMPTS[1])
     seqs = {
         policy: Sequence(
-            prompt, greedy(num_tokens), session_id=policy,
-            eviction_policy=policy, max_kv_tokens=budget_tokens,
+            prompt,
+            greedy(num_tokens),
+            session_id=policy,
+            eviction_policy=policy,
+            max_kv_tokens=budget_tokens,
         )  # fmt: skip
         for policy in ("lru", "sink", "h2o")
     }

@@ -34,26 +34,52 @@ def gqa_config() -> Gemma3TextConfig:
     """Grouped-query attention, QK-norm, sliding + full layers with linear-scaled RoPE on the full
     ones, both softcaps, an untied LM head, query_pre_attn_scalar != head_dim."""
     return Gemma3TextConfig(
-        vocab_size=131, hidden_size=48, intermediate_size=80, num_hidden_layers=5,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
-        sliding_window=6, max_position_embeddings=256, tie_word_embeddings=False,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
-                     "full_attention"],
+        vocab_size=131,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=6,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        layer_types=[
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+        ],
         rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50_000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1_000.0},
         },
-        final_logit_softcapping=4.0, attn_logit_softcapping=3.0,
+        final_logit_softcapping=4.0,
+        attn_logit_softcapping=3.0,
     )
 
 
 def mha_config() -> Gemma3TextConfig:
     """One KV head per query head, tied embeddings, no softcaps."""
     return Gemma3TextConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-        sliding_window=5, max_position_embeddings=256,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=5,
+        max_position_embeddings=256,
+        layer_types=[
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+        ],
     )
 
 
@@ -102,11 +128,18 @@ def test_decode_over_paged_cache_matches_dynamic_cache(setup):
 def test_batch_of_different_lengths_matches_each_alone(setup):
     _, config, _, weights = setup
     backend = CustomBackend(config, weights, CPU, torch.float32, 256)
-    prompts = {0: prompt(5, 10, config.vocab_size), 1: prompt(13, 11, config.vocab_size),
-               2: prompt(8, 12, config.vocab_size)}
+    prompts = {
+        0: prompt(5, 10, config.vocab_size),
+        1: prompt(13, 11, config.vocab_size),
+        2: prompt(8, 12, config.vocab_size),
+    }
     # Sequences 0 and 1 prefill together; 2 joins at step 3 next to their decodes (a mixed batch).
-    together = engine_greedy(PagedDriver(backend, num_blocks=128, shuffle_blocks=6),
-                             {0: prompts[0], 1: prompts[1]}, 20, joins={3: {2: prompts[2]}})
+    together = engine_greedy(
+        PagedDriver(backend, num_blocks=128, shuffle_blocks=6),
+        {0: prompts[0], 1: prompts[1]},
+        20,
+        joins={3: {2: prompts[2]}},
+    )
     for seq, tokens in prompts.items():
         alone = engine_greedy(PagedDriver(backend, num_blocks=128), {seq: tokens}, 20)[seq]
         assert [int(x.argmax()) for x in together[seq]] == [int(x.argmax()) for x in alone]
@@ -141,7 +174,9 @@ def test_real_model_prefill_bit_exact_and_greedy_decode(real):
         assert torch.equal(logits[0], reference(torch.tensor([tokens])).logits[0])
 
     # 1 KV head for 4 query heads: decode is folded (see the module docstring), so bounded.
-    ours = engine_greedy(PagedDriver(backend, block_size=16, shuffle_blocks=9), {0: tokens}, DECODE_STEPS)[0]
+    ours = engine_greedy(
+        PagedDriver(backend, block_size=16, shuffle_blocks=9), {0: tokens}, DECODE_STEPS
+    )[0]
     theirs = hf_greedy(reference, tokens, DECODE_STEPS)
     assert [int(x.argmax()) for x in ours] == [int(x.argmax()) for x in theirs]
     assert max((a - b).abs().max().item() for a, b in zip(ours, theirs)) < 1e-4
@@ -149,9 +184,14 @@ def test_real_model_prefill_bit_exact_and_greedy_decode(real):
 
 def test_real_model_hf_backend_matches_custom(real):
     loaded, _ = real
-    prompts = {0: loaded.tokenizer("Hello, my name is")["input_ids"], 1: loaded.tokenizer("1, 2, 3,")["input_ids"]}
+    prompts = {
+        0: loaded.tokenizer("Hello, my name is")["input_ids"],
+        1: loaded.tokenizer("1, 2, 3,")["input_ids"],
+    }
     results = [
-        engine_greedy(PagedDriver(create_backend(kind, loaded, CPU, torch.float32), block_size=16), prompts, 4)
+        engine_greedy(
+            PagedDriver(create_backend(kind, loaded, CPU, torch.float32), block_size=16), prompts, 4
+        )
         for kind in ("custom", "hf")
     ]
     for seq in prompts:

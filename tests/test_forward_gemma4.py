@@ -33,17 +33,33 @@ S, F = "sliding_attention", "full_attention"
 def full_featured_config() -> Gemma4TextConfig:
     """Layers 5 and 6 reuse the K/V of layers 3 (sliding) and 4 (full)."""
     return Gemma4TextConfig(
-        vocab_size=101, hidden_size=48, intermediate_size=64, num_hidden_layers=7,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
-        num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=101,
-        use_double_wide_mlp=True, final_logit_softcapping=5.0, sliding_window=6,
-        max_position_embeddings=256, tie_word_embeddings=False,
+        vocab_size=101,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=7,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        global_head_dim=16,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=101,
+        use_double_wide_mlp=True,
+        final_logit_softcapping=5.0,
+        sliding_window=6,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
         layer_types=[S, F, S, S, F, S, F],
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 1_000.0},
-            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "factor": 2.0,
-                               "rope_theta": 20_000.0},
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": 0.5,
+                "factor": 2.0,
+                "rope_theta": 20_000.0,
+            },
         },
     )
 
@@ -51,10 +67,19 @@ def full_featured_config() -> Gemma4TextConfig:
 def mha_config() -> Gemma4TextConfig:
     """One KV head per query head; KV sharing without PLE or k=v; default RoPE settings."""
     return Gemma4TextConfig(
-        vocab_size=89, hidden_size=32, intermediate_size=48, num_hidden_layers=5,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=8, global_head_dim=16,
-        num_kv_shared_layers=2, hidden_size_per_layer_input=0, sliding_window=5,
-        max_position_embeddings=256, layer_types=[S, F, S, S, F],
+        vocab_size=89,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=5,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        global_head_dim=16,
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=0,
+        sliding_window=5,
+        max_position_embeddings=256,
+        layer_types=[S, F, S, S, F],
     )
 
 
@@ -76,7 +101,9 @@ def test_configs_switch_on_every_feature():
     assert [spec.num_kv_heads for spec in arch.layers] == [2, 1, 2, 2, 1, 2, 1]
     assert [spec.k_eq_v for spec in arch.layers] == [False, True, False, False, True, False, True]
     assert [spec.intermediate_size for spec in arch.layers] == [64] * 5 + [128] * 2
-    assert arch.per_layer_input_size == 8 and arch.rope["full_attention"].rope_type == "proportional"
+    assert (
+        arch.per_layer_input_size == 8 and arch.rope["full_attention"].rope_type == "proportional"
+    )
 
 
 @pytest.mark.parametrize("backend_class", [CustomBackend, HFBackend])
@@ -88,7 +115,9 @@ def test_prefill_equals_transformers_bit_for_bit(setup, backend_class):
     with torch.no_grad():
         # Rows as an index: with an int, transformers slices rows before its KV-shared layers,
         # and fails doing so for configs without PLE.
-        expected = reference(torch.tensor([tokens]), logits_to_keep=torch.arange(len(tokens))).logits[0]
+        expected = reference(
+            torch.tensor([tokens]), logits_to_keep=torch.arange(len(tokens))
+        ).logits[0]
     assert torch.equal(logits[0], expected)
 
 
@@ -109,10 +138,17 @@ def test_decode_over_paged_cache_matches_dynamic_cache(setup):
 def test_batch_of_different_lengths_matches_each_alone(setup):
     _, config, _, weights = setup
     backend = CustomBackend(config, weights, CPU, torch.float32, 256)
-    prompts = {0: prompt(4, 10, config.vocab_size), 1: prompt(12, 11, config.vocab_size),
-               2: prompt(7, 12, config.vocab_size)}
-    together = engine_greedy(PagedDriver(backend, num_blocks=128, shuffle_blocks=6),
-                             {0: prompts[0], 1: prompts[1]}, 20, joins={2: {2: prompts[2]}})
+    prompts = {
+        0: prompt(4, 10, config.vocab_size),
+        1: prompt(12, 11, config.vocab_size),
+        2: prompt(7, 12, config.vocab_size),
+    }
+    together = engine_greedy(
+        PagedDriver(backend, num_blocks=128, shuffle_blocks=6),
+        {0: prompts[0], 1: prompts[1]},
+        20,
+        joins={2: {2: prompts[2]}},
+    )
     for seq, tokens in prompts.items():
         alone = engine_greedy(PagedDriver(backend, num_blocks=128), {seq: tokens}, 20)[seq]
         assert [int(x.argmax()) for x in together[seq]] == [int(x.argmax()) for x in alone]
@@ -130,7 +166,12 @@ def test_kv_shared_layers_store_nothing(setup):
 
 def test_mixture_of_experts_is_rejected_by_name():
     config = mha_config()
-    config.enable_moe_block, config.num_experts, config.top_k_experts, config.moe_intermediate_size = True, 4, 2, 16
+    (
+        config.enable_moe_block,
+        config.num_experts,
+        config.top_k_experts,
+        config.moe_intermediate_size,
+    ) = True, 4, 2, 16
     with pytest.raises(NotImplementedError, match="mixture-of-experts"):
         CustomBackend(config, {}, CPU, torch.float32, 256)
     with pytest.raises(NotImplementedError, match="mixture-of-experts"):
@@ -149,11 +190,19 @@ def test_checkpoint_without_layer_scalars_and_with_shared_kv_weights(backend_cla
     """Absent layer scalars mean 1 (as transformers initializes them); K/V weights a checkpoint
     carries for KV-shared layers are ignored (those layers have none)."""
     config = full_featured_config()
-    weights = {k: v for k, v in hf_model(config, seed=3).state_dict().items() if not k.endswith("layer_scalar")}
+    weights = {
+        k: v
+        for k, v in hf_model(config, seed=3).state_dict().items()
+        if not k.endswith("layer_scalar")
+    }
     weights["model.layers.5.self_attn.k_proj.weight"] = torch.ones(16, 48)
     reference = hf_model(config, state_dict=weights)
     assert all(float(layer.layer_scalar) == 1.0 for layer in reference.model.layers)
     tokens = prompt(6, seed=9, vocab=config.vocab_size)
-    logits, _ = PagedDriver(backend_class(config, weights, CPU, torch.float32, 256)).step({0: tokens}, all_logits=True)
+    logits, _ = PagedDriver(backend_class(config, weights, CPU, torch.float32, 256)).step(
+        {0: tokens}, all_logits=True
+    )
     with torch.no_grad():
-        assert torch.equal(logits[0], reference(torch.tensor([tokens]), logits_to_keep=torch.arange(6)).logits[0])
+        assert torch.equal(
+            logits[0], reference(torch.tensor([tokens]), logits_to_keep=torch.arange(6)).logits[0]
+        )

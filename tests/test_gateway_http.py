@@ -201,8 +201,9 @@ def test_prometheus_metrics(server: RunningServer) -> None:
     assert _value(after, "gemma_serve:time_to_first_token_seconds_bucket", le="+Inf") >= 1
     assert delta("gemma_serve:request_success_total", finished_reason="length") == 1
     assert delta("gemma_serve:prefix_cache_queries_total") == usage["prompt_tokens"]
-    assert delta("gemma_serve:prefix_cache_hits_total") == (
-        usage["prompt_tokens_details"]["cached_tokens"]
+    assert (
+        delta("gemma_serve:prefix_cache_hits_total")
+        == (usage["prompt_tokens_details"]["cached_tokens"])
     )
     assert _value(after, "gemma_serve:num_requests_running") == 0
     assert _value(after, "gemma_serve:num_requests_waiting") == 0

@@ -3,7 +3,7 @@ import random
 import pytest
 
 from engine.backends.base import CacheGroupSpec
-from engine.kv.manager import BlockCopy, KVCacheManager
+from engine.kv.manager import KVCacheManager
 from tests.kv_invariants import assert_all_released, check_manager, decode, make_seq, prefill, step
 
 BS = 4
@@ -169,6 +169,7 @@ def test_no_leaks_after_finish_abort_preemption_and_eviction():
 
 
 # ----------------------------------------------------------------------------- stress
+
 
 class SimulatedCache:
     """Stands in for the backend's K/V memory: each slot holds a fingerprint of the context

@@ -58,11 +58,15 @@ def test_gemma4_text_checkpoint_directory(tmp_path, reference):
     assert loaded.max_model_len == 128
     same_weights(loaded.state_dict, reference)
     # The loaded weights serve: our forward's prefill equals transformers' bit for bit.
-    backend = CustomBackend(loaded.config, loaded.state_dict, torch.device("cpu"), torch.float32, 128)
+    backend = CustomBackend(
+        loaded.config, loaded.state_dict, torch.device("cpu"), torch.float32, 128
+    )
     backend.allocate_kv_cache(num_blocks=4, block_size=4)
     tokens = [5, 17, 3, 88, 41, 9]
     slots = torch.arange(len(tokens))
-    group = GroupAttention(slots, slots[None], slots[None], torch.ones(1, len(tokens), dtype=torch.bool))
+    group = GroupAttention(
+        slots, slots[None], slots[None], torch.ones(1, len(tokens), dtype=torch.bool)
+    )
     batch = ForwardBatch(
         input_ids=torch.tensor(tokens), positions=slots, query_start=[0, len(tokens)],
         groups={g.name: group for g in backend.cache_groups()},
@@ -108,7 +112,9 @@ def test_unknown_architecture_is_named(tmp_path):
 
 
 def test_mixture_of_experts_is_refused_by_name(tmp_path):
-    tiny_text_config(enable_moe_block=True, num_experts=4, top_k_experts=2).save_pretrained(tmp_path)
+    tiny_text_config(enable_moe_block=True, num_experts=4, top_k_experts=2).save_pretrained(
+        tmp_path
+    )
     with pytest.raises(ModelLoadError, match="mixture-of-experts"):
         load_model(str(tmp_path))
 

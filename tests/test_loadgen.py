@@ -185,7 +185,7 @@ def test_stop_cancels_in_flight_requests_server_side(stopped_after) -> None:
         sched = _get(server, "/api/metrics")["scheduler"]
         return sched["num_running"] + sched["num_waiting"] >= 2
 
-    wait_for(lambda: {}, engine_busy, 30)
+    wait_for(dict, engine_busy, 30)
     again = _post(server, "/api/loadgen/start", config)
     assert again.status_code == 409
     assert again.json()["error"]["code"] == "loadgen_running"

@@ -43,7 +43,12 @@ def test_seeded_sampling_repeats_alone_and_batched_and_depends_on_the_seed(llm):
     # more prompts than max_queue_len=2, so they are fed in as the queue drains.
     batch = llm.generate(
         ["Tell me a story about", prompt, "The capital of Italy is", prompt],
-        [_sampled(None), _sampled(1234), SamplingParams(max_tokens=8, temperature=0), _sampled(4321)],
+        [
+            _sampled(None),
+            _sampled(1234),
+            SamplingParams(max_tokens=8, temperature=0),
+            _sampled(4321),
+        ],
     )
     assert batch[1].token_ids == alone.token_ids
     assert batch[1].text == alone.text
@@ -97,7 +102,9 @@ def test_bad_inputs_raise_clear_errors(llm):
     assert "empty" in str(refused("prompt", [[]]))
     for bad in ([2, vocab], [2, -1], [2, 1.5]):
         assert str(vocab) in str(refused("prompt", [bad]))
-    too_long = refused("max_tokens", [2] * (llm.engine.max_model_len - 3), SamplingParams(max_tokens=4))
+    too_long = refused(
+        "max_tokens", [2] * (llm.engine.max_model_len - 3), SamplingParams(max_tokens=4)
+    )
     assert str(llm.engine.max_model_len) in str(too_long)
     # Fits the context but never the KV cache: refused, and nothing of the batch stays queued.
     too_large = refused("prompt", ["Hello", [2] * KV_TOKENS], SamplingParams(max_tokens=4))

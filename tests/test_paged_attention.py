@@ -13,10 +13,10 @@ from engine.backends.custom import CustomBackend
 from engine.backends.hf import HFBackend
 from engine.device import parse_dtype, resolve_device, resolve_dtype
 from engine.kv.manager import BlockCopy
+from engine.model import paged_attention
 from engine.model.architecture import architecture_from_config
 from engine.model.batch import ForwardBatch, GroupAttention
 from engine.model.kv_cache import PagedKVCache, cache_group_specs
-from engine.model import paged_attention
 from engine.model.paged_attention import PagedAttentionStep
 from tests.paged_driver import PagedDriver, hf_model
 
@@ -27,9 +27,15 @@ HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
 
 def tiny_arch():
     config = Gemma3TextConfig(
-        vocab_size=50, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-        sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
     )
     return architecture_from_config(config)
 
@@ -118,7 +124,9 @@ def test_mixed_batch_matches_reference(group_name, layer, softcap, query_slices,
     written = group.slot_mapping >= 0
     assert torch.equal(cache.keys[layer][group.slot_mapping[written]], new_keys[written])
     assert not torch.equal(cache.keys[layer][163], new_keys[0])
-    expected, masses = reference(query, cache.keys[layer], cache.values[layer], batch, group, window, 0.3, softcap)
+    expected, masses = reference(
+        query, cache.keys[layer], cache.values[layer], batch, group, window, 0.3, softcap
+    )
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     if group_name == "full":
         for got, want, length in zip(step.attention_mass(), masses, (10, 8, 3, 4)):
@@ -137,13 +145,17 @@ def test_sliding_window_edge_is_exclusive():
     keys = [[(p, p) for p in range(qpos + 1)]]
     group = group_attention([qpos], keys, width=qpos + 1)
     batch = ForwardBatch(
-        input_ids=torch.zeros(1, dtype=torch.long), positions=torch.tensor([qpos]), query_start=[0, 1],
-        groups={"sliding": group, "full": group}, logits_indices=torch.tensor([0]), collect_attention=True,
+        input_ids=torch.zeros(1, dtype=torch.long),
+        positions=torch.tensor([qpos]),
+        query_start=[0, 1],
+        groups={"sliding": group, "full": group},
+        logits_indices=torch.tensor([0]),
+        collect_attention=True,
     )
     step = PagedAttentionStep(batch, cache, {"sliding": WINDOW, "full": None}, CPU, torch.float32)
     step.write(0, torch.randn(1, KV_HEADS, HEAD_DIM), torch.randn(1, KV_HEADS, HEAD_DIM))
     cache.values[0].zero_()
-    cache.values[0][:qpos + 1, :, 0] = torch.arange(qpos + 1, dtype=torch.float32)[:, None]
+    cache.values[0][: qpos + 1, :, 0] = torch.arange(qpos + 1, dtype=torch.float32)[:, None]
     # With every score equal, the output is the mean of the visible values' first coordinate.
     query = torch.zeros(1, HEADS, HEAD_DIM)
     out = step.attend(0, query, scaling=1.0)
@@ -154,8 +166,14 @@ def test_sliding_window_edge_is_exclusive():
 
 def test_attention_mass_from_the_backend_counts_every_full_layer_and_head():
     config = Gemma3TextConfig(
-        vocab_size=40, hidden_size=16, intermediate_size=16, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, sliding_window=3,
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        sliding_window=3,
         layer_types=["full_attention", "sliding_attention", "full_attention"],
     )
     backend = CustomBackend(config, hf_model(config, seed=0).state_dict(), CPU, torch.float32, 64)
@@ -172,18 +190,41 @@ def test_attention_mass_from_the_backend_counts_every_full_layer_and_head():
 
 def test_cache_group_specs_and_pools():
     config = Gemma4TextConfig(
-        vocab_size=50, hidden_size=32, intermediate_size=32, num_hidden_layers=5,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
-        num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=1,
-        hidden_size_per_layer_input=0, sliding_window=7,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention",
-                     "full_attention"],
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        global_head_dim=16,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        num_kv_shared_layers=1,
+        hidden_size_per_layer_input=0,
+        sliding_window=7,
+        layer_types=[
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "full_attention",
+            "full_attention",
+        ],
     )
     arch = architecture_from_config(config)
     full, sliding = cache_group_specs(arch, torch.bfloat16)
-    assert (full.name, full.layer_ids, full.sliding_window, full.bytes_per_token) == ("full", (1, 3), None, 128)
+    assert (full.name, full.layer_ids, full.sliding_window, full.bytes_per_token) == (
+        "full",
+        (1, 3),
+        None,
+        128,
+    )
     assert (sliding.name, sliding.layer_ids, sliding.sliding_window, sliding.bytes_per_token) == (
-        "sliding", (0, 2), 7, 128)
+        "sliding",
+        (0, 2),
+        7,
+        128,
+    )
     cache = PagedKVCache(arch, num_blocks=3, block_size=5, device=CPU, dtype=torch.bfloat16)
     assert sorted(cache.keys) == [0, 1, 2, 3]  # layer 4 reads layer 3's cache
     assert cache.keys[1].shape == (15, 1, 16) and cache.values[0].shape == (15, 2, 8)
@@ -192,8 +233,14 @@ def test_cache_group_specs_and_pools():
 
 def test_bfloat16_runs_and_stays_close_to_float32():
     config = Gemma3TextConfig(
-        vocab_size=40, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, sliding_window=3,
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        sliding_window=3,
         layer_types=["sliding_attention", "full_attention"],
     )
     weights = hf_model(config, seed=0).state_dict()
@@ -204,7 +251,9 @@ def test_bfloat16_runs_and_stays_close_to_float32():
         logits[dtype] = result
     for seq in tokens:
         assert logits[torch.bfloat16][seq].dtype == torch.float32
-        torch.testing.assert_close(logits[torch.bfloat16][seq], logits[torch.float32][seq], atol=0.1, rtol=0.05)
+        torch.testing.assert_close(
+            logits[torch.bfloat16][seq], logits[torch.float32][seq], atol=0.1, rtol=0.05
+        )
 
 
 def test_device_and_dtype_selection():
@@ -222,8 +271,14 @@ def test_device_and_dtype_selection():
 
 def test_copy_blocks_applies_copies_in_order_to_one_group():
     config = Gemma3TextConfig(
-        vocab_size=40, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, sliding_window=3,
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        sliding_window=3,
         layer_types=["sliding_attention", "full_attention"],
     )
     backend = CustomBackend(config, hf_model(config, seed=0).state_dict(), CPU, torch.float32, 64)
@@ -231,7 +286,9 @@ def test_copy_blocks_applies_copies_in_order_to_one_group():
     cache = backend.kv_cache
     for pool in [*cache.keys.values(), *cache.values.values()]:
         pool.normal_()
-    before = {layer: (cache.keys[layer].clone(), cache.values[layer].clone()) for layer in cache.keys}
+    before = {
+        layer: (cache.keys[layer].clone(), cache.values[layer].clone()) for layer in cache.keys
+    }
     backend.copy_blocks([BlockCopy("full", 1, 3), BlockCopy("full", 3, 0)])
     keys, values = cache.keys[1], cache.values[1]
     for pool, old in ((keys, before[1][0]), (values, before[1][1])):
@@ -243,14 +300,23 @@ def test_copy_blocks_applies_copies_in_order_to_one_group():
 @pytest.mark.parametrize("backend_class", [CustomBackend, HFBackend])
 def test_a_step_without_wanted_logits(backend_class):
     config = Gemma3TextConfig(
-        vocab_size=40, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, layer_types=["full_attention"],
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        layer_types=["full_attention"],
     )
     backend = backend_class(config, hf_model(config, seed=0).state_dict(), CPU, torch.float32, 64)
     backend.allocate_kv_cache(num_blocks=4, block_size=4)
     group = group_attention([0, 1, 2], [[(0, 0), (1, 1), (2, 2)]], width=3)
     batch = ForwardBatch(
-        input_ids=torch.tensor([3, 4, 5]), positions=torch.tensor([0, 1, 2]), query_start=[0, 3],
-        groups={"full": group}, logits_indices=torch.tensor([], dtype=torch.long),
+        input_ids=torch.tensor([3, 4, 5]),
+        positions=torch.tensor([0, 1, 2]),
+        query_start=[0, 3],
+        groups={"full": group},
+        logits_indices=torch.tensor([], dtype=torch.long),
     )
     assert backend.forward(batch).logits.shape == (0, 40)

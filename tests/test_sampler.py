@@ -180,8 +180,9 @@ def test_penalties_change_logits_by_exact_amounts():
         row(prompt=[0, 0], output=[1, 1], repetition_penalty=2.0),
         # output 2 x3, 3 x1; prompt tokens do not count
         row(prompt=[4], output=[2, 3, 2, 2], frequency_penalty=0.5, presence_penalty=0.25),
-        row(output=[0], repetition_penalty=0.5, frequency_penalty=-1.0,
-            logit_bias={6: 1.5, 5: -2.0}),
+        row(
+            output=[0], repetition_penalty=0.5, frequency_penalty=-1.0, logit_bias={6: 1.5, 5: -2.0}
+        ),
     ]
     adjusted = Sampler().adjust_logits(logits, rows)
     expected = torch.tensor(

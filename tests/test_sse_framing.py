@@ -11,7 +11,9 @@ from compat.response_types import Completion, CompletionChoice
 
 
 async def failing_chunks():
-    yield Completion(id="cmpl-1", created=1, model="m", choices=[CompletionChoice(index=0, text="Hi")])
+    yield Completion(
+        id="cmpl-1", created=1, model="m", choices=[CompletionChoice(index=0, text="Hi")]
+    )
     raise ApiError("generation failed: device lost", status=500, code="internal_error")
 
 
@@ -28,4 +30,3 @@ async def test_a_failure_mid_stream_becomes_an_error_event_then_done():
             "code": "internal_error",
         }
     }
-

@@ -25,18 +25,7 @@ from engine.metrics import percentile
 
 # Common English words: prompts are random sequences of these, so their token counts are
 # close to their word counts.
-WORDS = (
-    "time person year way day thing man world life hand part child eye woman place work week "
-    "case point government company number group problem fact be have do say get make go know "
-    "take see come think look want give use find tell ask seem feel try leave call good new "
-    "first last long great little own other old right big high different small large next "
-    "early young important few public bad same able river mountain city garden window table "
-    "letter story music water light stone forest ocean bridge road market school village "
-    "winter summer morning evening cloud rain wind fire bread apple horse bird tree flower "
-    "paper book question answer idea reason friend family history science language picture "
-    "journey kitchen doctor teacher engine machine signal memory dream voice silence color "
-    "north south east west quickly slowly quietly always never often together alone again"
-).split()
+WORDS = ["time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part", "child", "eye", "woman", "place", "work", "week", "case", "point", "government", "company", "number", "group", "problem", "fact", "be", "have", "do", "say", "get", "make", "go", "know", "take", "see", "come", "think", "look", "want", "give", "use", "find", "tell", "ask", "seem", "feel", "try", "leave", "call", "good", "new", "first", "last", "long", "great", "little", "own", "other", "old", "right", "big", "high", "different", "small", "large", "next", "early", "young", "important", "few", "public", "bad", "same", "able", "river", "mountain", "city", "garden", "window", "table", "letter", "story", "music", "water", "light", "stone", "forest", "ocean", "bridge", "road", "market", "school", "village", "winter", "summer", "morning", "evening", "cloud", "rain", "wind", "fire", "bread", "apple", "horse", "bird", "tree", "flower", "paper", "book", "question", "answer", "idea", "reason", "friend", "family", "history", "science", "language", "picture", "journey", "kitchen", "doctor", "teacher", "engine", "machine", "signal", "memory", "dream", "voice", "silence", "color", "north", "south", "east", "west", "quickly", "slowly", "quietly", "always", "never", "often", "together", "alone", "again"]
 
 MAX_LATENCY_SAMPLES = 2000  # client-side latency samples kept for percentiles
 _RETRY_CAP_S = 2.0  # longest pause after a 429, whatever Retry-After says
@@ -294,12 +283,8 @@ class LoadGenerator:
             max_connections=len(clients) + 2, max_keepalive_connections=len(clients)
         )
         timeout = httpx.Timeout(connect=5.0, read=600.0, write=30.0, pool=None)
-        deadline = (
-            run.started_monotonic + run.config.duration_s if run.config.duration_s else None
-        )
-        async with httpx.AsyncClient(
-            base_url=run.base_url, limits=limits, timeout=timeout
-        ) as http:
+        deadline = run.started_monotonic + run.config.duration_s if run.config.duration_s else None
+        async with httpx.AsyncClient(base_url=run.base_url, limits=limits, timeout=timeout) as http:
             users = [
                 asyncio.create_task(self._user(http, run, model, client, index, deadline))
                 for index, client in enumerate(clients)

@@ -59,7 +59,7 @@ def paged_attention_forward(
 
 def _no_mask(*args, **kwargs) -> None:
     """Masks come from the ForwardBatch's positions, not from transformers."""
-    return None
+    return
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
@@ -77,18 +77,26 @@ class HFBackend(PagedCacheBackend):
     ) -> None:
         arch = architecture_from_config(config)  # rejects what neither backend supports
         super().__init__(arch, device, dtype, max_model_len)
-        model_class = Gemma4ForCausalLM if isinstance(config, Gemma4TextConfig) else Gemma3ForCausalLM
+        model_class = (
+            Gemma4ForCausalLM if isinstance(config, Gemma4TextConfig) else Gemma3ForCausalLM
+        )
         config = copy.deepcopy(config)  # transformers records dtype and attention on the config
         with no_init_weights():
-            model = model_class._from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
+            model = model_class._from_config(
+                config, dtype=dtype, attn_implementation=ATTENTION_NAME
+            )
         model.tie_weights()  # an LM head tied to the embeddings (skipped along with the init)
         missing, unexpected = model.load_state_dict(state_dict, strict=False)
         # A tied head is the embedding; absent layer scalars keep transformers' value of 1.
         missing = [key for key in missing if not key.endswith("layer_scalar")]
-        missing = [key for key in missing if not (key == "lm_head.weight" and config.tie_word_embeddings)]
+        missing = [
+            key for key in missing if not (key == "lm_head.weight" and config.tie_word_embeddings)
+        ]
         unexpected = [key for key in unexpected if not self._is_shared_layer_kv_weight(key)]
         if missing or unexpected:
-            raise ValueError(f"weights do not match the config: missing {missing}, unexpected {unexpected}")
+            raise ValueError(
+                f"weights do not match the config: missing {missing}, unexpected {unexpected}"
+            )
         self.model = model.to(device).eval().requires_grad_(False)
         self.kv_sources = tuple(spec.kv_source for spec in arch.layers)
 

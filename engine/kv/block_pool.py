@@ -19,7 +19,7 @@ from collections.abc import Callable
 class Block:
     """One physical block of `block_size` token slots in one cache group."""
 
-    __slots__ = ("block_id", "group", "ref_count", "owner")
+    __slots__ = ("block_id", "group", "owner", "ref_count")
 
     def __init__(self, block_id: int, group: str) -> None:
         self.block_id = block_id

@@ -29,7 +29,7 @@ from engine.kv.block_pool import Block, BlockPool
 class RadixNode:
     """One full block of tokens under its parent's prefix (the root of a salt has no block)."""
 
-    __slots__ = ("key", "parent", "salt", "children", "blocks", "exact_keys", "detached")
+    __slots__ = ("blocks", "children", "detached", "exact_keys", "key", "parent", "salt")
 
     def __init__(self, key: tuple[int, ...], parent: RadixNode | None, salt: str | None) -> None:
         self.key = key

@@ -40,7 +40,10 @@ class RopeSpec:
             return (1.0 / (self.theta**exponents)) / self.factor
         # "proportional": rotate the first fraction of the dims, leave the rest (frequency 0).
         rope_angles = int(self.partial_rotary_factor * self.head_dim // 2)
-        exponents = torch.arange(0, 2 * rope_angles, 2, dtype=torch.int64).to(dtype=torch.float) / self.head_dim
+        exponents = (
+            torch.arange(0, 2 * rope_angles, 2, dtype=torch.int64).to(dtype=torch.float)
+            / self.head_dim
+        )
         rotated = 1.0 / (self.theta**exponents)
         unrotated = self.head_dim // 2 - rope_angles
         if unrotated > 0:
@@ -93,7 +96,9 @@ def architecture_from_config(config: GemmaTextConfig) -> GemmaArchitecture:
 
 def _gemma3(config: Gemma3TextConfig) -> GemmaArchitecture:
     if config.use_bidirectional_attention:
-        raise NotImplementedError("Gemma 3 bidirectional attention (use_bidirectional_attention) is not supported")
+        raise NotImplementedError(
+            "Gemma 3 bidirectional attention (use_bidirectional_attention) is not supported"
+        )
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     layers = tuple(
         LayerSpec(
@@ -126,7 +131,9 @@ def _gemma3(config: Gemma3TextConfig) -> GemmaArchitecture:
 
 def _gemma4(config: Gemma4TextConfig) -> GemmaArchitecture:
     if config.enable_moe_block:
-        raise NotImplementedError("Gemma 4 mixture-of-experts blocks (enable_moe_block) are not supported")
+        raise NotImplementedError(
+            "Gemma 4 mixture-of-experts blocks (enable_moe_block) are not supported"
+        )
     if config.use_bidirectional_attention == "all":
         raise NotImplementedError(
             "Gemma 4 bidirectional attention (use_bidirectional_attention='all') is not supported"
@@ -141,7 +148,9 @@ def _gemma4(config: Gemma4TextConfig) -> GemmaArchitecture:
         per_layer = config.per_layer_config[i]
         shared = sharing[i] == "reuse"
         if shared and layer_type not in producer_of_type:
-            raise NotImplementedError(f"layer {i} shares K/V but no earlier {layer_type} layer computes them")
+            raise NotImplementedError(
+                f"layer {i} shares K/V but no earlier {layer_type} layer computes them"
+            )
         is_full = layer_type == "full_attention"
         double_wide = config.use_double_wide_mlp and shared
         layers.append(
@@ -158,7 +167,8 @@ def _gemma4(config: Gemma4TextConfig) -> GemmaArchitecture:
             )
         )
     rope = {
-        t: _rope_spec(config.rope_parameters[t], config.per_layer_config[t].head_dim) for t in set(layer_types)
+        t: _rope_spec(config.rope_parameters[t], config.per_layer_config[t].head_dim)
+        for t in set(layer_types)
     }
     return GemmaArchitecture(
         family="gemma4",
@@ -183,7 +193,9 @@ def _group(layer_type: str) -> str:
 def _rope_spec(params: dict, head_dim: int) -> RopeSpec:
     rope_type = params.get("rope_type", "default")
     if rope_type not in ("default", "linear", "proportional"):
-        raise NotImplementedError(f"RoPE type {rope_type!r} is not supported (default, linear, proportional are)")
+        raise NotImplementedError(
+            f"RoPE type {rope_type!r} is not supported (default, linear, proportional are)"
+        )
     return RopeSpec(
         rope_type=rope_type,
         theta=params["rope_theta"],

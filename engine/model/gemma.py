@@ -21,7 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.architecture import GemmaArchitecture, GemmaTextConfig, LayerSpec, architecture_from_config
+from engine.model.architecture import (
+    GemmaArchitecture,
+    GemmaTextConfig,
+    LayerSpec,
+    architecture_from_config,
+)
 from engine.model.paged_attention import PagedAttentionStep
 
 
@@ -68,7 +73,9 @@ class Attention(nn.Module):
         super().__init__()
         config = arch.config
         if config.attention_bias:
-            raise NotImplementedError("attention projections with bias (attention_bias) are not supported")
+            raise NotImplementedError(
+                "attention projections with bias (attention_bias) are not supported"
+            )
         eps, unit_offset = config.rms_norm_eps, not arch.is_gemma4
         self.spec = spec
         self.num_heads = config.num_attention_heads
@@ -81,7 +88,11 @@ class Attention(nn.Module):
             if not spec.k_eq_v:
                 self.v_proj = _linear(config.hidden_size, spec.num_kv_heads * spec.head_dim)
             self.k_norm = RMSNorm(spec.head_dim, eps, unit_offset)
-            self.v_norm = RMSNorm(spec.head_dim, eps, unit_offset=False, with_scale=False) if arch.is_gemma4 else None
+            self.v_norm = (
+                RMSNorm(spec.head_dim, eps, unit_offset=False, with_scale=False)
+                if arch.is_gemma4
+                else None
+            )
         self.o_proj = _linear(self.num_heads * spec.head_dim, config.hidden_size)
 
     def forward(
@@ -89,10 +100,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         spec = self.spec
         tokens = x.shape[0]
-        query = _rotate(self.q_norm(self.q_proj(x).view(tokens, self.num_heads, spec.head_dim)), cos, sin)
+        query = _rotate(
+            self.q_norm(self.q_proj(x).view(tokens, self.num_heads, spec.head_dim)), cos, sin
+        )
         if spec.stores_kv:
             raw_keys = self.k_proj(x).view(tokens, spec.num_kv_heads, spec.head_dim)
-            values = raw_keys if spec.k_eq_v else self.v_proj(x).view(tokens, spec.num_kv_heads, spec.head_dim)
+            values = (
+                raw_keys
+                if spec.k_eq_v
+                else self.v_proj(x).view(tokens, spec.num_kv_heads, spec.head_dim)
+            )
             keys = _rotate(self.k_norm(raw_keys), cos, sin)
             if self.v_norm is not None:
                 values = self.v_norm(values)
@@ -107,7 +124,9 @@ class MLP(nn.Module):
     def __init__(self, config: GemmaTextConfig, intermediate_size: int) -> None:
         super().__init__()
         if config.hidden_activation != "gelu_pytorch_tanh":
-            raise NotImplementedError(f"hidden activation {config.hidden_activation!r} is not supported")
+            raise NotImplementedError(
+                f"hidden activation {config.hidden_activation!r} is not supported"
+            )
         self.gate_proj = _linear(config.hidden_size, intermediate_size)
         self.up_proj = _linear(config.hidden_size, intermediate_size)
         self.down_proj = _linear(intermediate_size, config.hidden_size)
@@ -177,7 +196,9 @@ class TextModel(nn.Module):
         super().__init__()
         config = arch.config
         self.arch = arch
-        self.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size, config.hidden_size**0.5)
+        self.embed_tokens = ScaledEmbedding(
+            config.vocab_size, config.hidden_size, config.hidden_size**0.5
+        )
         self.layers = nn.ModuleList(DecoderLayer(arch, spec) for spec in arch.layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=not arch.is_gemma4)
         self.per_layer_input_size = arch.per_layer_input_size
@@ -187,7 +208,9 @@ class TextModel(nn.Module):
                 config.vocab_size_per_layer_input, width, self.per_layer_input_size**0.5
             )
             self.per_layer_model_projection = _linear(config.hidden_size, width)
-            self.per_layer_projection_norm = RMSNorm(self.per_layer_input_size, config.rms_norm_eps, unit_offset=False)
+            self.per_layer_projection_norm = RMSNorm(
+                self.per_layer_input_size, config.rms_norm_eps, unit_offset=False
+            )
 
     def init_buffers(self) -> None:
         """Derived constants (not weights): embedding scales and RoPE inverse frequencies."""
@@ -199,7 +222,9 @@ class TextModel(nn.Module):
                 module.init_buffers()
         device = self.embed_tokens.weight.device
         for layer_type, rope in self.arch.rope.items():
-            self.register_buffer(f"{layer_type}_inv_freq", rope.inv_freq().to(device), persistent=False)
+            self.register_buffer(
+                f"{layer_type}_inv_freq", rope.inv_freq().to(device), persistent=False
+            )
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """PLE: [T, layers, width], token-identity part plus a projection of the embeddings."""
@@ -209,7 +234,9 @@ class TextModel(nn.Module):
         context = self.per_layer_projection_norm(context.reshape(shape))
         return (context + identity) * 2.0**-0.5
 
-    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def rotary(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """cos and sign-folded sin ([T, 1, head_dim]) per layer type for this step's positions."""
         tables = {}
         for layer_type in self.arch.rope:
@@ -221,7 +248,9 @@ class TextModel(nn.Module):
             tables[layer_type] = (angles.cos().to(dtype)[:, None], signed_sin[:, None])
         return tables
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: PagedAttentionStep) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, step: PagedAttentionStep
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         per_layer = self.per_layer_inputs(input_ids, x) if self.per_layer_input_size else None
         rotary = self.rotary(positions, x.dtype)
@@ -272,7 +301,9 @@ class GemmaForCausalLM(nn.Module):
         weights = {name: tensor.to(device=device, dtype=dtype) for name, tensor in weights.items()}
         missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
         if missing or unexpected:
-            raise ValueError(f"weights do not match the config: missing {missing}, unexpected {unexpected}")
+            raise ValueError(
+                f"weights do not match the config: missing {missing}, unexpected {unexpected}"
+            )
         model.model.init_buffers()
         return model.requires_grad_(False)
 

@@ -25,7 +25,9 @@ def cache_group_specs(arch: GemmaArchitecture, dtype: torch.dtype) -> list[Cache
         layers = [spec for spec in arch.layers if spec.group == group and spec.stores_kv]
         if not layers:
             continue
-        bytes_per_token = sum(2 * spec.num_kv_heads * spec.head_dim * element_size for spec in layers)
+        bytes_per_token = sum(
+            2 * spec.num_kv_heads * spec.head_dim * element_size for spec in layers
+        )
         specs.append(
             CacheGroupSpec(
                 name=group,
@@ -49,7 +51,9 @@ class PagedKVCache:
         dtype: torch.dtype,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"need a positive number of blocks and block size, got {num_blocks} x {block_size}")
+            raise ValueError(
+                f"need a positive number of blocks and block size, got {num_blocks} x {block_size}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
@@ -61,9 +65,13 @@ class PagedKVCache:
                 self.keys[spec.index] = torch.zeros(shape, device=device, dtype=dtype)
                 self.values[spec.index] = torch.zeros(shape, device=device, dtype=dtype)
         # Which group's addressing each layer reads: its own, or its KV producer's.
-        self.group_of_layer = {spec.index: arch.layers[spec.kv_source].group for spec in arch.layers}
+        self.group_of_layer = {
+            spec.index: arch.layers[spec.kv_source].group for spec in arch.layers
+        }
 
-    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write(
+        self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
         """Store `keys`/`values` ([N, num_kv_heads, head_dim]) of `layer` at `slots` ([N])."""
         self.keys[layer].index_copy_(0, slots, keys)
         self.values[layer].index_copy_(0, slots, values)
@@ -73,5 +81,9 @@ class PagedKVCache:
         bs = self.block_size
         for layer in self.keys:
             if self.group_of_layer[layer] == group:
-                self.keys[layer][dst * bs : (dst + 1) * bs] = self.keys[layer][src * bs : (src + 1) * bs]
-                self.values[layer][dst * bs : (dst + 1) * bs] = self.values[layer][src * bs : (src + 1) * bs]
+                self.keys[layer][dst * bs : (dst + 1) * bs] = self.keys[layer][
+                    src * bs : (src + 1) * bs
+                ]
+                self.values[layer][dst * bs : (dst + 1) * bs] = self.values[layer][
+                    src * bs : (src + 1) * bs
+                ]

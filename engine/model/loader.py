@@ -143,7 +143,9 @@ def _text_model_key(key: str) -> str | None:
         if key.startswith(prefix):
             return "model." + key[len(prefix) :]
     if key.startswith(("model.", "lm_head.")):
-        if key.startswith(("model.vision", "model.audio", "model.embed_vision", "model.embed_audio")):
+        if key.startswith(
+            ("model.vision", "model.audio", "model.embed_vision", "model.embed_audio")
+        ):
             return None
         return key
     return None
@@ -159,4 +161,3 @@ def _download(repo_id: str) -> Path:
     except Exception as exc:
         raise ModelLoadError(f"cannot download {repo_id!r}: {exc}") from exc
     return Path(path)
-

@@ -67,7 +67,9 @@ class _GroupPlan:
         num_cols = key_valid.shape[1]
         # Columns each sequence uses: up to its last valid key; later columns are padding.
         columns = torch.arange(1, num_cols + 1, device=key_valid.device)
-        widths = (key_valid.long() * columns).amax(dim=1).tolist() if num_cols else [0] * batch.num_seqs
+        widths = (
+            (key_valid.long() * columns).amax(dim=1).tolist() if num_cols else [0] * batch.num_seqs
+        )
         self.num_cols = num_cols
         self.chunks = list(self._chunks(group, batch, widths, window, device, dtype))
 
@@ -84,7 +86,17 @@ class _GroupPlan:
         decode = [i for i, n in enumerate(lens) if n == 1]
         if len(decode) == batch.num_seqs:  # a pure decode step: rows and sequences coincide
             everyone = slice(0, batch.num_seqs)
-            yield _make_chunk(group, everyone, everyone, positions[everyone], 1, max(widths), window, device, dtype)
+            yield _make_chunk(
+                group,
+                everyone,
+                everyone,
+                positions[everyone],
+                1,
+                max(widths),
+                window,
+                device,
+                dtype,
+            )
         elif decode:
             seqs = torch.tensor(decode, device=positions.device)
             rows = torch.tensor([starts[i] for i in decode], device=positions.device)
@@ -93,7 +105,17 @@ class _GroupPlan:
         for i, n in enumerate(lens):
             if n > 1:
                 rows = slice(starts[i], starts[i + 1])
-                yield _make_chunk(group, slice(i, i + 1), rows, positions[rows], n, widths[i], window, device, dtype)
+                yield _make_chunk(
+                    group,
+                    slice(i, i + 1),
+                    rows,
+                    positions[rows],
+                    n,
+                    widths[i],
+                    window,
+                    device,
+                    dtype,
+                )
 
 
 def _make_chunk(
@@ -111,7 +133,9 @@ def _make_chunk(
     key_slots = group.key_slots[seqs, :width]
     key_positions = group.key_positions[seqs, :width]
     query_positions = query_positions.view(key_slots.shape[0], q_len)
-    visible = group.key_valid[seqs, :width][:, None, :] & (key_positions[:, None, :] <= query_positions[:, :, None])
+    visible = group.key_valid[seqs, :width][:, None, :] & (
+        key_positions[:, None, :] <= query_positions[:, :, None]
+    )
     if window is not None:
         visible &= (query_positions[:, :, None] - key_positions[:, None, :]) < window
     mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
@@ -141,12 +165,15 @@ class PagedAttentionStep:
         self.cache = cache
         self.num_tokens = int(batch.input_ids.shape[0])
         self.plans = {
-            name: _GroupPlan(group, batch, windows.get(name), device, dtype) for name, group in batch.groups.items()
+            name: _GroupPlan(group, batch, windows.get(name), device, dtype)
+            for name, group in batch.groups.items()
         }
         self.mass: torch.Tensor | None = None
         if batch.collect_attention and "full" in self.plans:
             plan = self.plans["full"]
-            self.mass = torch.zeros(batch.num_seqs, plan.num_cols, dtype=torch.float32, device=device)
+            self.mass = torch.zeros(
+                batch.num_seqs, plan.num_cols, dtype=torch.float32, device=device
+            )
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store this step's keys/values ([T, num_kv_heads, head_dim]) of a storing layer."""
@@ -203,8 +230,14 @@ def _attend_chunk(
     _, num_kv_heads, head_dim = key_pool.shape
     groups = num_heads // num_kv_heads
     b, q_len, k_len = chunk.num_seqs, chunk.q_len, chunk.num_keys
-    keys = key_pool.index_select(0, chunk.key_slots).view(b, k_len, num_kv_heads, head_dim).transpose(1, 2)
-    values = value_pool.index_select(0, chunk.key_slots).view(b, k_len, num_kv_heads, -1).transpose(1, 2)
+    keys = (
+        key_pool.index_select(0, chunk.key_slots)
+        .view(b, k_len, num_kv_heads, head_dim)
+        .transpose(1, 2)
+    )
+    values = (
+        value_pool.index_select(0, chunk.key_slots).view(b, k_len, num_kv_heads, -1).transpose(1, 2)
+    )
     if q_len == 1:
         # Decode: the query heads sharing a KV head become the rows of one matmul.
         q = query.reshape(b, num_kv_heads, groups, head_dim)
@@ -215,8 +248,14 @@ def _attend_chunk(
     rows_per_slice = max(1, MAX_SCORES_PER_SLICE // (num_heads * k_len))
     pieces = [
         _softmax_attention(
-            q[:, :, start : start + rows_per_slice], keys, values,
-            chunk.mask[:, :, start : start + rows_per_slice], scaling, softcap, mass, chunk,
+            q[:, :, start : start + rows_per_slice],
+            keys,
+            values,
+            chunk.mask[:, :, start : start + rows_per_slice],
+            scaling,
+            softcap,
+            mass,
+            chunk,
         )
         for start in range(0, q_len, rows_per_slice)
     ]
