@@ -1,13 +1,21 @@
-"""`python -m app serve [--host H] [--port P]`: the same server as `uvicorn app.main:app`."""
+"""`python -m app serve [--host H] [--port P]`: the same server as `uvicorn app.main:app`.
+
+`python -m app prepare` converts or downloads MODEL_NAME into the local cache and exits, so a
+first server start (or a test's readiness wait) does not include that one-time work.
+"""
 
 from __future__ import annotations
 
 import argparse
+import time
 
+import structlog
 import uvicorn
 
+from app.logging import configure_logging
 from app.main import create_app
 from app.settings import load_settings
+from engine.model.loader import prepare_model
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -16,7 +24,11 @@ def main(argv: list[str] | None = None) -> None:
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible API")
     serve.add_argument("--host", help="bind address (default: HOST or 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default: PORT or 8000)")
+    commands.add_parser("prepare", help="convert or download MODEL_NAME into the cache, then exit")
     args = parser.parse_args(argv)
+    if args.command == "prepare":
+        prepare()
+        return
     overrides = {k: v for k, v in (("HOST", args.host), ("PORT", args.port)) if v is not None}
     settings = load_settings(**overrides)
     uvicorn.run(
@@ -26,6 +38,19 @@ def main(argv: list[str] | None = None) -> None:
         log_level="info",
         # In-flight streams get the grace period, then are cancelled (which aborts them).
         timeout_graceful_shutdown=int(settings.SHUTDOWN_GRACE_S),
+    )
+
+
+def prepare() -> None:
+    settings = load_settings()
+    configure_logging(settings.LOG_FORMAT)
+    started = time.perf_counter()
+    model_id, directory = prepare_model(settings.MODEL_NAME)
+    structlog.get_logger(__name__).info(
+        "model ready",
+        model=model_id,
+        path=str(directory),
+        seconds=round(time.perf_counter() - started, 1),
     )
 
 

@@ -3,8 +3,9 @@
     from tests.openapi_schema import validate
     validate(body, "CreateChatCompletionResponse")   # raises jsonschema.ValidationError
 
-The spec is OpenAPI 3.1 (JSON Schema 2020-12) but still uses the 3.0 keyword `nullable: true`,
-which JSON Schema ignores; it is rewritten once at load time to allow null. `$ref`s resolve
+The spec is the trimmed copy vendored in tests/openai_spec (see SOURCE.md there). It is OpenAPI
+3.1 (JSON Schema 2020-12) but still uses the 3.0 keyword `nullable: true`, which JSON Schema
+ignores; it is rewritten once at load time to allow null. `$ref`s resolve
 within the document through a `referencing` registry.
 
 One documented deviation: the spec says streamed and non-streamed completions share one shape,
@@ -17,15 +18,15 @@ from __future__ import annotations
 
 import copy
 import functools
-from pathlib import Path
+import json
 from typing import Any
 
 import jsonschema
-import yaml
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
-SPEC_PATH = Path(__file__).resolve().parents[2] / "shared" / "openai" / "openapi.yaml"
+from tests.openai_spec.vendor_spec import SUBSET_PATH
+
 _URI = "urn:openai-openapi"
 COMPLETION_CHUNK = "CreateCompletionResponse(stream chunk)"
 
@@ -52,9 +53,7 @@ def _allow_null(node: Any) -> Any:
 
 @functools.cache
 def _spec() -> dict[str, Any]:
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    with SPEC_PATH.open() as f:
-        spec = _allow_null(yaml.load(f, Loader=loader))
+    spec = _allow_null(json.loads(SUBSET_PATH.read_text()))
     schemas = spec["components"]["schemas"]
     chunk = copy.deepcopy(schemas["CreateCompletionResponse"])
     finish = chunk["properties"]["choices"]["items"]["properties"]["finish_reason"]

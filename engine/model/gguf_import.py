@@ -4,21 +4,35 @@ GGUF stores quantized blocks (Q4_K, Q5_0, Q6_K, Q8_0, ...) under llama.cpp's ten
 Gemma's RMSNorm weights with the +1 already folded in. We dequantize with the `gguf` package,
 rename to transformers' Gemma3ForCausalLM keys, undo the +1, and write config.json,
 model.safetensors and the tokenizer, so later loads are a plain memory-mapped read.
+
+This runs once per cache, on a server's or `python -m app prepare`'s first start. Each phase is
+logged with its duration. The two slow ones are pure Python and bound to one core each (the
+`gguf` reader walking 262k vocabulary strings, and transformers rebuilding the BPE merges from
+that vocabulary), so the tokenizer is built in a second process while this one reads and
+dequantizes the weights.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import shutil
 import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import structlog
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import AutoTokenizer, Gemma3TextConfig
+
+log = structlog.get_logger(__name__)
 
 _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
@@ -40,23 +54,47 @@ _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 
 def convert_gguf_to_checkpoint(gguf_path: Path, target: Path) -> None:
     """Write config.json, model.safetensors and tokenizer files for `gguf_path` into `target`."""
-    reader = GGUFReader(str(gguf_path))
-    architecture = _field(reader, "general.architecture")
-    if architecture != "gemma3":
-        raise ValueError(f"{gguf_path}: GGUF architecture {architecture!r} is not supported")
-    # Build in a scratch directory and move into place, so an interrupted run leaves nothing half-done.
+    # Built in a scratch directory, then moved into place: an interrupted run leaves nothing.
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    spawn = multiprocessing.get_context("spawn")  # no fork of a process that may run threads
     try:
-        _config_from_gguf(reader).save_pretrained(scratch)
-        save_file(_weights_from_gguf(reader), str(scratch / "model.safetensors"))
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        tokenizer.save_pretrained(scratch)
+        with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+            tokenizer = pool.submit(write_tokenizer, gguf_path, scratch)
+            with _phase("reading GGUF metadata"):
+                reader = GGUFReader(str(gguf_path))
+                architecture = _field(reader, "general.architecture")
+                if architecture != "gemma3":
+                    raise ValueError(
+                        f"{gguf_path}: GGUF architecture {architecture!r} is not supported"
+                    )
+                config = _config_from_gguf(reader)
+            with _phase("dequantizing weights"):
+                weights = _weights_from_gguf(reader)
+            with _phase("writing float32 weights"):
+                config.save_pretrained(scratch)
+                save_file(weights, str(scratch / "model.safetensors"))
+            with _phase("building tokenizer from the GGUF vocabulary"):
+                tokenizer.result()  # started first, in the other process; usually done by now
         if target.exists():
             shutil.rmtree(target)
         scratch.rename(target)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def write_tokenizer(gguf_path: Path, directory: Path) -> None:
+    """transformers' tokenizer for the GGUF's vocabulary, saved as tokenizer.json."""
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(directory)
+
+
+@contextmanager
+def _phase(name: str) -> Iterator[None]:
+    log.info("preparing model", phase=name)
+    start = time.perf_counter()
+    yield
+    log.info("preparing model", phase=name, done_in_s=round(time.perf_counter() - start, 1))
 
 
 def _field(reader: GGUFReader, key: str):

