@@ -34,5 +34,6 @@ def tenant_for_key(api_keys: Mapping[str, str], authorization: str | None) -> st
 def identity_for(
     key_tenant: str | None, user: str | None = None, session_header: str | None = None
 ) -> Identity:
-    """The key's tenant, else the `user` field, else the default; session from the header or user."""
+    """The key's tenant, else the `user` field, else the default; the session from the header,
+    else the user."""
     return Identity(tenant=key_tenant or user or DEFAULT_TENANT, session_id=session_header or user)

@@ -7,6 +7,7 @@ import structlog
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 from litestar.status_codes import HTTP_413_REQUEST_ENTITY_TOO_LARGE
+from litestar.types import ExceptionHandlersMap
 
 from compat.errors import ApiError, route_not_found, server_error
 
@@ -49,7 +50,7 @@ def unexpected_error_handler(request: Request, exc: Exception) -> Response:
     return _response(server_error())
 
 
-EXCEPTION_HANDLERS = {
+EXCEPTION_HANDLERS: ExceptionHandlersMap = {
     ApiError: api_error_handler,
     HTTPException: http_exception_handler,
     Exception: unexpected_error_handler,

@@ -35,6 +35,7 @@ from compat.response_types import (
     new_chat_completion_id,
     new_completion_id,
 )
+from compat.response_types import FinishReason as OpenAIFinishReason
 from engine.async_engine import AsyncEngine, EngineOverloaded, RequestStream, RequestTooLarge
 from engine.request import DEFAULT_TENANT, FinishReason, Sequence, StepOutput, TokenLogprob
 from engine.sampling import SamplingParams
@@ -79,7 +80,7 @@ class ChoiceState:
             self.finish_reason = out.finish_reason
 
 
-def openai_finish_reason(reason: FinishReason | None) -> str:
+def openai_finish_reason(reason: FinishReason | None) -> OpenAIFinishReason:
     return "length" if reason is FinishReason.LENGTH else "stop"
 
 
@@ -104,7 +105,9 @@ class GenerationService:
         )
         end_of_turn = self.tokenizer.convert_tokens_to_ids(GEMMA_END_OF_TURN)
         unk = self.tokenizer.unk_token_id
-        self.chat_stop_ids = [end_of_turn] if end_of_turn not in (None, unk) else []
+        self.chat_stop_ids = (
+            [end_of_turn] if isinstance(end_of_turn, int) and end_of_turn != unk else []
+        )
 
     # ------------------------------------------------------------------ preparing
 
@@ -118,8 +121,13 @@ class GenerationService:
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer(text).input_ids
 
+    def decode(self, token_ids: list[int]) -> str:
+        text = self.tokenizer.decode(token_ids)
+        assert isinstance(text, str)  # one list of ids decodes to one string
+        return text
+
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return self.decode([token_id])
 
     def prepare_completion(self, req: CompletionRequest) -> list[PreparedPrompt]:
         self.check_model(req.model)
@@ -129,7 +137,7 @@ class GenerationService:
                 ids, text = self.encode_text(prompt), prompt
             else:
                 check_token_ids(prompt, self.vocab_size, f"prompt[{i}]" if i else "prompt")
-                ids, text = list(prompt), self.tokenizer.decode(prompt)
+                ids, text = list(prompt), self.decode(prompt)
             sampling = to_sampling_params(
                 req, num_prompt_tokens=len(ids), max_model_len=self.max_model_len,
                 vocab_size=self.vocab_size, kv_capacity_tokens=self.kv_capacity_tokens,

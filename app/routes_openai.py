@@ -153,7 +153,9 @@ async def tokenize(request: Request) -> Response:
     ids = service.tokenizer(text, add_special_tokens=req.add_special_tokens).input_ids
     response = TokenizeResponse(count=len(ids), max_model_len=service.max_model_len, tokens=ids)
     if req.return_token_strs:
-        response.token_strs = service.tokenizer.convert_ids_to_tokens(ids)
+        token_strs = service.tokenizer.convert_ids_to_tokens(ids)
+        assert isinstance(token_strs, list)  # a list of ids gives a list of tokens
+        response.token_strs = token_strs
     return _json(response)
 
 
@@ -165,7 +167,7 @@ async def detokenize(request: Request) -> Response:
     if req.model is not None:
         service.check_model(req.model)
     check_token_ids(req.tokens, service.vocab_size, "tokens")
-    return _json(DetokenizeResponse(prompt=service.tokenizer.decode(req.tokens)))
+    return _json(DetokenizeResponse(prompt=service.decode(req.tokens)))
 
 
 ROUTES = [list_models, retrieve_model, completions, chat_completions, tokenize, detokenize]

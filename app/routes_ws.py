@@ -122,11 +122,9 @@ def _conflict(param: str, message: str, code: str) -> ApiError:
     return ApiError(message, status=409, param=param, code=code)
 
 
-def _string_field(message: dict[str, Any], name: str, required: bool = True) -> str | None:
+def _optional_string_field(message: dict[str, Any], name: str) -> str | None:
     value = message.get(name)
     if value is None:
-        if required:
-            raise _missing(name)
         return None
     if not isinstance(value, str) or not value:
         raise ApiError(
@@ -134,6 +132,13 @@ def _string_field(message: dict[str, Any], name: str, required: bool = True) -> 
             param=name,
             code="invalid_type",
         )
+    return value
+
+
+def _string_field(message: dict[str, Any], name: str) -> str:
+    value = _optional_string_field(message, name)
+    if value is None:
+        raise _missing(name)
     return value
 
 
@@ -342,7 +347,7 @@ class WsConnection:
     # ------------------------------------------------------------------ sessions
 
     def start_session(self, message: dict[str, Any]) -> SessionStarted:
-        name = _string_field(message, "session", required=False) or f"sess-{secrets.token_hex(6)}"
+        name = _optional_string_field(message, "session") or f"sess-{secrets.token_hex(6)}"
         if name in self.sessions:
             raise _conflict("session", f"Session {name!r} already exists.", "session_exists")
         if len(self.sessions) >= MAX_SESSIONS_PER_SOCKET:
@@ -350,7 +355,7 @@ class WsConnection:
                 "session",
                 f"A socket holds at most {MAX_SESSIONS_PER_SOCKET} sessions; end one first.",
             )
-        policy = _string_field(message, "eviction_policy", required=False)
+        policy = _optional_string_field(message, "eviction_policy")
         if policy is not None and policy not in EVICTION_POLICIES:
             raise invalid_value(
                 "eviction_policy",
@@ -408,7 +413,7 @@ class WsConnection:
         generation.task = asyncio.create_task(self.run(generation))
 
     def _session_for(self, message: dict[str, Any]) -> ChatSession | None:
-        name = _string_field(message, "session", required=False)
+        name = _optional_string_field(message, "session")
         if name is None:
             return None
         session = self.sessions.get(name)
@@ -440,11 +445,10 @@ class WsConnection:
     ) -> Generation:
         """Tokenize, check against the context, and submit every prompt x n choices."""
         service = self.service
-        is_chat = isinstance(req, ChatCompletionRequest)
-        if is_chat:
-            prompts, echo_texts = [service.prepare_chat(req)], [""]
+        if isinstance(req, ChatCompletionRequest):
+            is_chat, prompts, echo_texts = True, [service.prepare_chat(req)], [""]
         else:
-            prompts = service.prepare_completion(req)
+            is_chat, prompts = False, service.prepare_completion(req)
             echo_texts = [p.text if req.echo else "" for p in prompts]
         identity: Identity = identity_for(self.key_tenant, req.user, self.connection_id)
         streams = service.submit(

@@ -12,6 +12,7 @@ from engine.async_engine import AsyncEngine
 from engine.backends import create_backend
 from engine.device import resolve_device, resolve_dtype
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.metrics import ServingMetrics
 from engine.model.loader import load_model
 
 log = structlog.get_logger(__name__)

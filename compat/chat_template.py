@@ -92,7 +92,7 @@ def render_chat_prompt(
     bos = getattr(tokenizer, "bos_token", None) or GEMMA_BOS
     if getattr(tokenizer, "chat_template", None) and hasattr(tokenizer, "apply_chat_template"):
         try:
-            text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+            text = tokenizer.apply_chat_template(
                 _conversation(messages), tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except jinja2.TemplateError as exc:

@@ -40,7 +40,7 @@ def resolve_max_tokens(
             f"has {num_prompt_tokens} tokens, leaving no room for the completion. Please "
             f"reduce the length of the {prompt_param}.",
         )
-    if is_chat:
+    if isinstance(request, ChatCompletionRequest):
         requested = request.requested_max_tokens
         max_param = (
             "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"

@@ -84,8 +84,8 @@ class AsyncEngine:
         """`build` makes the LLMEngine; start() calls it on the engine thread."""
         self._build = build
         self._metrics_window_s = metrics_window_s
-        self.engine: LLMEngine | None = None
-        self.metrics: ServingMetrics | None = None
+        self._engine: LLMEngine | None = None
+        self._metrics: ServingMetrics | None = None
         self._tracked: dict[str, _Tracked] = {}
         self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -103,8 +103,8 @@ class AsyncEngine:
 
         def run() -> None:
             try:
-                self.engine = self._build()
-                self.metrics = ServingMetrics(self.engine.model_id, self._metrics_window_s)
+                self._engine = self._build()
+                self._metrics = ServingMetrics(self._engine.model_id, self._metrics_window_s)
             except BaseException as exc:
                 failure.append(exc)
                 return
@@ -130,6 +130,20 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 5.0)
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine start() built."""
+        if self._engine is None:
+            raise RuntimeError("the engine is not started")
+        return self._engine
+
+    @property
+    def metrics(self) -> ServingMetrics:
+        """The serving metrics, created by start() with the engine."""
+        if self._metrics is None:
+            raise RuntimeError("the engine is not started")
+        return self._metrics
 
     @property
     def is_healthy(self) -> bool:
@@ -203,9 +217,8 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except (
-                Exception
-            ) as exc:  # a bug or device failure: fail in-flight requests, keep serving
+            except Exception as exc:
+                # A bug or device failure: fail in-flight requests, keep serving.
                 log.exception("engine step failed")
                 self._fail_all(exc)
                 continue

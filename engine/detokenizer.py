@@ -29,9 +29,10 @@ _REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for an incomplete UTF-8 se
 
 
 class Decoder(Protocol):
-    """Any tokenizer with a `decode` like transformers' or the `tokenizers` library's."""
+    """Any tokenizer with a `decode` like transformers' or the `tokenizers` library's
+    (transformers' is typed for batches too, hence `list[str]`: one list of ids gives a str)."""
 
-    def decode(self, ids: list[int], /, skip_special_tokens: bool = ...) -> str: ...
+    def decode(self, ids: list[int], /, skip_special_tokens: bool = ...) -> str | list[str]: ...
 
 
 def check_stop(
@@ -130,9 +131,11 @@ class IncrementalDetokenizer:
         return DetokenizedStep(new_text, finish_reason, self.stop_str)
 
     def _decode(self, start: int, end: int | None = None) -> str:
-        return self._tokenizer.decode(
+        text = self._tokenizer.decode(
             self._tokens[start:end], skip_special_tokens=self._skip_special_tokens
         )
+        assert isinstance(text, str)  # one list of ids decodes to one string
+        return text
 
     def _decode_new_tokens(self, flush: bool) -> None:
         """Move the unread tokens' text into self._text once it ends in a whole character

@@ -133,7 +133,9 @@ class LLMEngine:
             sampled = self.sampler.sample(
                 result.logits, [SamplingRow.from_sequence(seq) for seq in sampling]
             )
-            for seq, token, logprob in zip(sampling, sampled.token_ids, sampled.logprobs):
+            for seq, token, logprob in zip(
+                sampling, sampled.token_ids, sampled.logprobs, strict=True
+            ):
                 seq.output_token_ids.append(token)
                 reason = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
                 text = self._detokenizers[seq.seq_id].update(token, reason)
@@ -164,7 +166,7 @@ class LLMEngine:
         group = self.kv.primary
         key_slots = batch.groups[group].key_slots
         key_valid = batch.groups[group].key_valid
-        for row, (item, mass) in enumerate(zip(scheduled, masses)):
+        for row, (item, mass) in enumerate(zip(scheduled, masses, strict=True)):
             if self.kv.wants_attention(item.seq):
                 self.kv.record_attention(item.seq, mass, key_slots[row][key_valid[row]])
 

@@ -114,7 +114,7 @@ class ServingMetrics:
         )
         self._success = Counter(
             PREFIX + "request_success", "Finished requests by finish reason.",
-            labels + ["finished_reason"], registry=self.registry,
+            [*labels, "finished_reason"], registry=self.registry,
         )  # fmt: skip
         self._running = Gauge(
             PREFIX + "num_requests_running", "Requests in the running batch.", labels,
@@ -142,11 +142,11 @@ class ServingMetrics:
         )  # fmt: skip
         self._tenant_counter = Gauge(
             PREFIX + "tenant_virtual_token_counter", "VTC virtual token counter per tenant.",
-            labels + ["tenant"], registry=self.registry,
+            [*labels, "tenant"], registry=self.registry,
         )  # fmt: skip
         self._tenant_tokens = Gauge(
             PREFIX + "tenant_tokens_served_total", "Tokens served per tenant (prompt + output).",
-            labels + ["tenant"], registry=self.registry,
+            [*labels, "tenant"], registry=self.registry,
         )  # fmt: skip
 
     def record_first_token(self, seconds: float) -> None:

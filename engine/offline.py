@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.backends import create_backend
 from engine.device import resolve_device, resolve_dtype
@@ -20,6 +21,11 @@ from engine.model.loader import EMBEDDED_MODEL, LoadedModel, load_model
 from engine.request import FinishReason, Sequence, TokenLogprob
 from engine.sampling import InvalidRequestError, SamplingParams
 from engine.sched.admission import AdmissionStatus
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
+Prompt = str | list[int]  # text, or token ids
 
 
 @dataclass
@@ -52,7 +58,7 @@ class LLM:
             loaded, create_backend(backend, loaded, self.device, self.dtype), config
         )
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt (BOS added to text); token-id prompts are checked and kept."""
         if isinstance(prompt, str):
             if not prompt:
@@ -69,11 +75,11 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[int] | SequenceOf[str | list[int]],
+        prompts: Prompt | SequenceOf[Prompt],
         sampling: SamplingParams | SequenceOf[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
         """Generate for every prompt (text or token ids) together; results in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if _is_one_prompt(prompts):
             prompts = [prompts]
         if not prompts:
             raise InvalidRequestError("prompts must not be empty", "prompt")
@@ -84,7 +90,7 @@ class LLM:
         if len(params_list) != len(prompts):
             raise InvalidRequestError("one SamplingParams per prompt, or a single one", "sampling")
         seqs = []
-        for prompt, p in zip(prompts, params_list):
+        for prompt, p in zip(prompts, params_list, strict=True):
             p.validate()  # SamplingParams is mutable: check what is used, not what was built
             seq = Sequence(self.encode(prompt), p)
             if seq.num_prompt_tokens + p.max_tokens > self.engine.max_model_len:
@@ -124,3 +130,8 @@ class LLM:
             )
             for seq in seqs
         ]
+
+
+def _is_one_prompt(prompts: Prompt | SequenceOf[Prompt]) -> TypeIs[Prompt]:
+    """Whether generate() got a single prompt rather than a sequence of prompts."""
+    return isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))

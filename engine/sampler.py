@@ -118,7 +118,7 @@ class Sampler:
         out = logits.clone()
         device = logits.device
         if bias:
-            b_rows, b_cols, b_vals = zip(*bias)
+            b_rows, b_cols, b_vals = zip(*bias, strict=True)
             out.index_put_(
                 (_index(b_rows, device), _index(b_cols, device)),
                 torch.tensor(b_vals, dtype=out.dtype, device=device),
@@ -129,7 +129,7 @@ class Sampler:
         if frequency_presence:
             _apply_frequency_presence(out, [(i, rows[i]) for i in frequency_presence])
         if banned:
-            ban_rows, ban_cols = zip(*banned)
+            ban_rows, ban_cols = zip(*banned, strict=True)
             out[_index(ban_rows, device), _index(ban_cols, device)] = float("-inf")
         return out
 
@@ -315,13 +315,13 @@ def _logprobs(
     logprobs = torch.log_softmax(logits[index], dim=-1)
     chosen = logprobs.gather(1, token_ids[index][:, None]).squeeze(1).tolist()
     most = max(rows[i].params.logprobs or 0 for i in wanted)
-    top_values, top_ids = logprobs.topk(most, dim=-1)
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    top = logprobs.topk(most, dim=-1)
+    top_values, top_ids = top.values.tolist(), top.indices.tolist()
     for j, i in enumerate(wanted):
         k = rows[i].params.logprobs or 0
         result[i] = TokenLogprob(
             token_id=ids[i],
             logprob=chosen[j],
-            top=list(zip(top_ids[j][:k], top_values[j][:k])),
+            top=list(zip(top_ids[j][:k], top_values[j][:k], strict=True)),
         )
     return result

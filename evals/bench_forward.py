@@ -97,8 +97,10 @@ def main() -> None:
         "transformers generate": generate_speed(loaded, prompts, args.decode_tokens),
     }
     for name, row in results.items():
-        print(f"{name:34s} prefill {row['prefill_tok_s']:8.1f} tok/s   decode "
-              f"{row['decode_tok_s']:6.2f} tok/s ({row['decode_ms_per_token']} ms/token)")  # fmt: skip
+        print(
+            f"{name:34s} prefill {row['prefill_tok_s']:8.1f} tok/s   decode "
+            f"{row['decode_tok_s']:6.2f} tok/s ({row['decode_ms_per_token']} ms/token)"
+        )
     path = write_results(
         "bench_forward",
         {"prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,

@@ -71,8 +71,9 @@ def main() -> None:
     with running_server(RESULTS / "bench_prefix.server.log", MAX_NUM_BATCHED_TOKENS=2048) as base:
         result = asyncio.run(measure(base, prompts, shared))
     print(
-        f"cold TTFT p50 {result['cold_ttft_p50_s']:.3f}s, repeat {result['repeat_ttft_p50_s']:.3f}s "
-        f"-> {result['repeat_speedup']}x; shared system prompt TTFT p50 "
+        f"cold TTFT p50 {result['cold_ttft_p50_s']:.3f}s, "
+        f"repeat {result['repeat_ttft_p50_s']:.3f}s -> {result['repeat_speedup']}x; "
+        "shared system prompt TTFT p50 "
         f"{result['shared_system_prompt_ttft_p50_s']:.3f}s"
     )
     path = write_results("bench_prefix", {"prompt_tokens": args.prompt_tokens, **result})

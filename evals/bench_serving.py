@@ -42,7 +42,10 @@ def naive_service_times(loaded, prompts: list[list[int]], output_tokens: int) ->
 def naive_at(users: int, times: dict, output_tokens: int) -> dict:
     service = sum(times["service_s"]) / len(times["service_s"])
     prefill = sum(times["prefill_s"]) / len(times["prefill_s"])
-    tpot = [(s - p) / (output_tokens - 1) for s, p in zip(times["service_s"], times["prefill_s"])]
+    tpot = [
+        (s - p) / (output_tokens - 1)
+        for s, p in zip(times["service_s"], times["prefill_s"], strict=True)
+    ]
     # Closed loop, one server: in steady state every request queues behind the other N-1.
     ttft = [(users - 1) * service + p for p in times["prefill_s"]]
     return {

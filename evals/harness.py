@@ -23,7 +23,18 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "evals" / "results"
 
 # Common English words: prompts built from them tokenize to about one token per word.
-WORDS = ["time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world", "school", "state", "family", "student", "group", "country", "problem", "hand", "part", "place", "case", "week", "company", "system", "program", "question", "work", "government", "number", "night", "point", "home", "water", "room", "mother", "area", "money", "story", "fact", "month", "lot", "right", "study", "book", "eye", "job", "word", "business", "issue", "side", "kind", "head", "house", "service", "friend", "father", "power", "hour", "game", "line", "end", "member", "law", "car", "city", "community", "name", "president", "team", "minute", "idea", "kid", "body", "information", "back", "parent", "face", "others", "level", "office", "door", "health", "person", "art", "war", "history", "party", "result", "change", "morning", "reason", "research", "girl", "guy", "moment", "air", "teacher", "force"]
+WORDS = [
+    "time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world",
+    "school", "state", "family", "student", "group", "country", "problem", "hand", "part", "place",
+    "case", "week", "company", "system", "program", "question", "work", "government", "number",
+    "night", "point", "home", "water", "room", "mother", "area", "money", "story", "fact", "month",
+    "lot", "right", "study", "book", "eye", "job", "word", "business", "issue", "side", "kind",
+    "head", "house", "service", "friend", "father", "power", "hour", "game", "line", "end",
+    "member", "law", "car", "city", "community", "name", "president", "team", "minute", "idea",
+    "kid", "body", "information", "back", "parent", "face", "others", "level", "office", "door",
+    "health", "person", "art", "war", "history", "party", "result", "change", "morning", "reason",
+    "research", "girl", "guy", "moment", "air", "teacher", "force",
+]  # fmt: skip
 
 
 def hf_reference_model(loaded):

@@ -21,7 +21,7 @@ def bar_chart(
     """One or two side-by-side bar panels sharing the same category names."""
     panels = [(left, left_label)] + ([(right, right_label)] if right else [])
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
-    for ax, (values, label) in zip(axes[0], panels):
+    for ax, (values, label) in zip(axes[0], panels, strict=True):
         names = list(values)
         bars = ax.bar(range(len(names)), [values[n] for n in names], color="#4878d0")
         ax.bar_label(bars, fmt="%.1f")

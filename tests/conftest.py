@@ -1,4 +1,4 @@
-"""Shared fixtures: a real server (uvicorn in a subprocess on a free port) and the embedded model."""
+"""Shared fixtures: a real server (uvicorn in a subprocess on a free port), the embedded model."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ def test_scattered_blocks_give_the_same_logits(setup):
         PagedDriver(backend, num_blocks=64, block_size=2, shuffle_blocks=7), prompts, 12
     )
     for seq in prompts:
-        assert all(torch.equal(a, b) for a, b in zip(contiguous[seq], scattered[seq]))
+        assert all(torch.equal(a, b) for a, b in zip(contiguous[seq], scattered[seq], strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -45,4 +45,4 @@ def test_hf_backend_matches_custom_on_a_mixed_batch(setup, dtype):
         for backend_class in (CustomBackend, HFBackend)
     ]
     for seq in (0, 1, 2):
-        assert all(torch.equal(a, b) for a, b in zip(results[0][seq], results[1][seq]))
+        assert all(torch.equal(a, b) for a, b in zip(results[0][seq], results[1][seq], strict=True))

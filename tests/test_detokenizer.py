@@ -124,7 +124,7 @@ def test_multibyte_characters_are_never_split(name, request):
 def test_incomplete_character_at_the_end_is_flushed(byte_level):
     ids = encode(byte_level, "ok 🙂")
     cut = ids[:-1]  # the emoji's last byte never comes
-    steps, _, detok = stream(byte_level, [], cut)
+    _, _, detok = stream(byte_level, [], cut)
     assert detok.output_text == byte_level.decode(cut)
     assert detok.output_text.startswith("ok ") and detok.output_text.endswith("\ufffd")
 
@@ -140,7 +140,7 @@ def test_first_output_token_keeps_its_leading_space(sentencepiece):
 
 def test_long_prompt_only_its_tail_is_context(byte_level):
     prompt = encode(byte_level, "the quick brown fox jumps over the lazy dog " * 20)
-    steps, _, detok = stream(byte_level, prompt, encode(byte_level, "hello 🙂"))
+    _, _, detok = stream(byte_level, prompt, encode(byte_level, "hello 🙂"))
     assert detok.output_text == "hello 🙂"
 
 
@@ -234,7 +234,7 @@ def test_stop_token_text_is_left_out_unless_asked(byte_level):
     ids = encode(byte_level, "hello world")
     world = ids[-1]
     assert byte_level.decode([world]) == " world"
-    steps, seq, detok = stream(byte_level, [], ids, stop_token_ids=[world], max_tokens=64)
+    steps, _, detok = stream(byte_level, [], ids, stop_token_ids=[world], max_tokens=64)
     assert (detok.output_text, steps[-1].finish_reason, steps[-1].stop_str) == (
         "hello",
         FinishReason.STOP,
@@ -248,7 +248,7 @@ def test_stop_token_text_is_left_out_unless_asked(byte_level):
 
 def test_eos_ends_the_text(byte_level):
     eos = byte_level.token_to_id(EOS_TEXT)
-    ids = encode(byte_level, "hello") + [eos] + encode(byte_level, " more")
+    ids = [*encode(byte_level, "hello"), eos, *encode(byte_level, " more")]
     steps, seq, detok = stream(byte_level, [], ids, eos_ids=[eos], max_tokens=64)
     assert detok.output_text == "hello"
     assert steps[-1].finish_reason is FinishReason.STOP

@@ -179,7 +179,7 @@ async def test_async_engine_streams_concurrent_requests_and_frees_an_abandoned_o
             return [t for out in outputs for t in out.new_token_ids], stream.seq, outputs
 
         results = await asyncio.gather(*(consume(i) for i in range(4)))
-        for (tokens, seq, outputs), expected in zip(results, alone):
+        for (tokens, seq, outputs), expected in zip(results, alone, strict=True):
             assert tokens == expected
             assert [out.finished for out in outputs] == [False] * 5 + [True]
             assert outputs[-1].finish_reason is FinishReason.LENGTH

@@ -76,7 +76,7 @@ def test_eviction_policies_bound_each_sessions_kv(loaded):
             session_id=policy,
             eviction_policy=policy,
             max_kv_tokens=budget_tokens,
-        )  # fmt: skip
+        )
         for policy in ("lru", "sink", "h2o")
     }
     for seq in seqs.values():

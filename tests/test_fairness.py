@@ -79,7 +79,7 @@ def test_fcfs_service_gap_exceeds_the_bound_by_a_growing_margin():
     gaps = service_gaps("fcfs")
     margins = [gaps[step - 1] - PAPER_BOUND for step in CHECKPOINTS]
     assert margins[0] > 0
-    assert all(later > earlier for earlier, later in zip(margins, margins[1:]))
+    assert all(later > earlier for earlier, later in itertools.pairwise(margins))
     # Roughly the 4:1 split of arrivals: A gets about four times B's service.
     assert gaps[-1] > 1500
 

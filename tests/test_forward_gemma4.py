@@ -130,9 +130,9 @@ def test_decode_over_paged_cache_matches_dynamic_cache(setup):
     assert [int(x.argmax()) for x in ours] == [int(x.argmax()) for x in theirs]
     assert torch.equal(ours[0], theirs[0])  # the prefill
     if name == "mha":
-        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
     else:
-        assert max((a - b).abs().max().item() for a, b in zip(ours, theirs)) < 2e-5
+        assert max((a - b).abs().max().item() for a, b in zip(ours, theirs, strict=True)) < 2e-5
 
 
 def test_batch_of_different_lengths_matches_each_alone(setup):
@@ -152,7 +152,8 @@ def test_batch_of_different_lengths_matches_each_alone(setup):
     for seq, tokens in prompts.items():
         alone = engine_greedy(PagedDriver(backend, num_blocks=128), {seq: tokens}, 20)[seq]
         assert [int(x.argmax()) for x in together[seq]] == [int(x.argmax()) for x in alone]
-        assert max((a - b).abs().max().item() for a, b in zip(together[seq], alone)) < 2e-5
+        pairs = zip(together[seq], alone, strict=True)
+        assert max((a - b).abs().max().item() for a, b in pairs) < 2e-5
 
 
 def test_kv_shared_layers_store_nothing(setup):

@@ -115,7 +115,7 @@ def test_completion_logprobs(client: openai.OpenAI, server: RunningServer) -> No
     for token in lp.tokens[:-1]:
         offsets.append(offsets[-1] + len(token))
     assert lp.text_offset == offsets
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert len(top) == 2  # greedy: the chosen token is one of the top 2
         assert top[token] == logprob == max(top.values())
         assert logprob <= 0.0

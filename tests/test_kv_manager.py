@@ -79,7 +79,7 @@ def test_sliding_group_frees_blocks_out_of_the_window():
     assert kv.stats()["window_freed_blocks"] == 4
 
     # A prefix match takes only the sliding blocks the window still needs.
-    other = make_seq(seq.token_ids[:20] + [900, 901, 902])
+    other = make_seq([*seq.token_ids[:20], 900, 901, 902])
     assert kv.match_prefix(other) == 20
     assert logical(kv, other, "full") == [0, 1, 2, 3, 4]
     assert kv.layout(other)["sliding"] == [(3, 3), (4, 4)]
@@ -146,7 +146,7 @@ def test_no_leaks_after_finish_abort_preemption_and_eviction():
     assert kv.allocate(aborted_in_prefill, 16)  # second chunk scheduled, then the client left
     kv.free(aborted_in_prefill)
 
-    aborted_in_decode = make_seq(list(range(30)) + [7, 7])
+    aborted_in_decode = make_seq([*range(30), 7, 7])
     assert prefill(kv, aborted_in_decode) == 28  # shares finished's blocks
     decode(kv, aborted_in_decode, [4])
     assert kv.allocate(aborted_in_decode, 1)
@@ -210,7 +210,7 @@ class SimulatedCache:
         end = seq.num_computed_tokens + num_new
         keys = self.kv.key_slots_and_positions(seq, num_new)
         for group, (slots, positions) in keys.items():
-            for slot, position in zip(slots, positions):
+            for slot, position in zip(slots, positions, strict=True):
                 expected = self.expected[seq.seq_id][position]
                 assert self.memory[group].get(slot) == expected, (group, position)
         full_positions = set(keys["full"][1])

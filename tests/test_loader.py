@@ -95,7 +95,7 @@ def test_text_tower_of_a_multimodal_checkpoint(tmp_path, reference):
 
 
 def test_missing_config_is_named(tmp_path):
-    with pytest.raises(ModelLoadError, match="has no config.json"):
+    with pytest.raises(ModelLoadError, match=r"has no config\.json"):
         load_model(str(tmp_path))
 
 

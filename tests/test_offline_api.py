@@ -155,7 +155,7 @@ def test_logprobs_equal_log_softmax_of_a_separate_forward(llm):
     logits = _prefill_logits(llm, prompt + tokens[:-1], len(prompt) - 1)
     expected = torch.log_softmax(logits.float(), dim=-1)
     assert expected.shape[0] == len(tokens)
-    for row, (token, lp) in enumerate(zip(tokens, result.logprobs)):
+    for row, (token, lp) in enumerate(zip(tokens, result.logprobs, strict=True)):
         assert lp.logprob == pytest.approx(expected[row, token].item(), abs=1e-4)
         assert token == int(expected[row].argmax())  # greedy
         top_values, top_ids = expected[row].topk(3)

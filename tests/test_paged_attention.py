@@ -129,7 +129,7 @@ def test_mixed_batch_matches_reference(group_name, layer, softcap, query_slices,
     )
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     if group_name == "full":
-        for got, want, length in zip(step.attention_mass(), masses, (10, 8, 3, 4)):
+        for got, want, length in zip(step.attention_mass(), masses, (10, 8, 3, 4), strict=True):
             assert got.shape == (length,)
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     else:

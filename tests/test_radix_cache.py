@@ -44,11 +44,11 @@ def test_insert_and_match_the_longest_block_aligned_prefix():
     assert cache.num_nodes == 3
     assert [n.blocks["full"].block_id for n in nodes] == [0, 1, 2]
 
-    longer = cache.match(tokens + [99], None)
+    longer = cache.match([*tokens, 99], None)
     assert longer.num_tokens == 12 and not longer.exact
     assert [b.block_id for b in longer.tables["full"]] == [0, 1, 2]
     assert cache.match(tokens[:10], None).num_tokens == 8  # the partial block is not cached
-    diverging = tokens[:6] + [50, 51, 52, 53, 54]  # differs inside block 1
+    diverging = [*tokens[:6], 50, 51, 52, 53, 54]  # differs inside block 1
     assert cache.match(diverging, None).num_tokens == 4
     # Every token cached: the last one is still recomputed, so the match stops one short.
     whole = cache.match(tokens, None)
@@ -109,11 +109,11 @@ def test_losing_a_sliding_block_keeps_the_node_and_shortens_matches():
     for i in (1, 0):
         pools["sliding"].decref(nodes[i].blocks["sliding"])
     # Position 12 needs sliding keys from 8 (block 2: missing), so 8 is the longest usable.
-    assert cache.match(tokens + [99], None).num_tokens == 8
+    assert cache.match([*tokens, 99], None).num_tokens == 8
     reclaimed = pools["sliding"].allocate()  # free queue empty: LRU is node 1's sliding block
     assert reclaimed.block_id == 1 and "sliding" not in nodes[1].blocks
     assert cache.num_nodes == 3
-    assert cache.match(tokens + [99], None).num_tokens == 4
+    assert cache.match([*tokens, 99], None).num_tokens == 4
     check_cache(cache)
 
 

@@ -56,7 +56,7 @@ def draws(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], steps
         for r in rows:
             r.step = step
         per_step.append(sampler.sample(logits, rows).token_ids)
-    return [list(col) for col in zip(*per_step)]
+    return [list(col) for col in zip(*per_step, strict=True)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -90,7 +90,7 @@ def three_one_block_sequences(priorities=(0, 0, 0)):
     sched = make_scheduler(kv, policy="fcfs", max_num_seqs=4)
     seqs = [
         make_seq(4, max_tokens=8, tenant=name, priority=p, arrival_time=t)
-        for name, p, t in zip("abc", priorities, (1.0, 2.0, 3.0))
+        for name, p, t in zip("abc", priorities, (1.0, 2.0, 3.0), strict=True)
     ]
     for seq in seqs:
         assert sched.add(seq).accepted
@@ -133,7 +133,7 @@ def test_preemption_takes_the_latest_arrival_and_it_later_completes():
 
 
 def test_preemption_takes_the_least_urgent_priority_before_arrival_order():
-    kv, sched, (a, b, c) = three_one_block_sequences(priorities=(1, 0, 0))
+    _, sched, (a, b, c) = three_one_block_sequences(priorities=(1, 0, 0))
     # Visited most urgent first: b, c, then a. c cannot grow; a (priority 1) is the
     # victim although it arrived first.
     out = run_step(sched)
@@ -144,7 +144,7 @@ def test_preemption_takes_the_least_urgent_priority_before_arrival_order():
 
 
 def test_a_recomputed_sequence_prefills_prompt_and_output_then_samples_a_new_token():
-    kv, sched, (a, b, c) = three_one_block_sequences()
+    _, sched, (a, _, c) = three_one_block_sequences()
     run_step(sched)  # c preempted with 1 output token
     while not a.is_finished:
         run_step(sched)

@@ -10,6 +10,7 @@ Stopping cancels the in-flight requests; closing their connections aborts them s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections import deque
@@ -25,7 +26,23 @@ from engine.metrics import percentile
 
 # Common English words: prompts are random sequences of these, so their token counts are
 # close to their word counts.
-WORDS = ["time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part", "child", "eye", "woman", "place", "work", "week", "case", "point", "government", "company", "number", "group", "problem", "fact", "be", "have", "do", "say", "get", "make", "go", "know", "take", "see", "come", "think", "look", "want", "give", "use", "find", "tell", "ask", "seem", "feel", "try", "leave", "call", "good", "new", "first", "last", "long", "great", "little", "own", "other", "old", "right", "big", "high", "different", "small", "large", "next", "early", "young", "important", "few", "public", "bad", "same", "able", "river", "mountain", "city", "garden", "window", "table", "letter", "story", "music", "water", "light", "stone", "forest", "ocean", "bridge", "road", "market", "school", "village", "winter", "summer", "morning", "evening", "cloud", "rain", "wind", "fire", "bread", "apple", "horse", "bird", "tree", "flower", "paper", "book", "question", "answer", "idea", "reason", "friend", "family", "history", "science", "language", "picture", "journey", "kitchen", "doctor", "teacher", "engine", "machine", "signal", "memory", "dream", "voice", "silence", "color", "north", "south", "east", "west", "quickly", "slowly", "quietly", "always", "never", "often", "together", "alone", "again"]
+WORDS = [
+    "time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part",
+    "child", "eye", "woman", "place", "work", "week", "case", "point", "government", "company",
+    "number", "group", "problem", "fact", "be", "have", "do", "say", "get", "make", "go", "know",
+    "take", "see", "come", "think", "look", "want", "give", "use", "find", "tell", "ask", "seem",
+    "feel", "try", "leave", "call", "good", "new", "first", "last", "long", "great", "little",
+    "own", "other", "old", "right", "big", "high", "different", "small", "large", "next", "early",
+    "young", "important", "few", "public", "bad", "same", "able", "river", "mountain", "city",
+    "garden", "window", "table", "letter", "story", "music", "water", "light", "stone", "forest",
+    "ocean", "bridge", "road", "market", "school", "village", "winter", "summer", "morning",
+    "evening", "cloud", "rain", "wind", "fire", "bread", "apple", "horse", "bird", "tree",
+    "flower", "paper", "book", "question", "answer", "idea", "reason", "friend", "family",
+    "history", "science", "language", "picture", "journey", "kitchen", "doctor", "teacher",
+    "engine", "machine", "signal", "memory", "dream", "voice", "silence", "color", "north",
+    "south", "east", "west", "quickly", "slowly", "quietly", "always", "never", "often",
+    "together", "alone", "again",
+]  # fmt: skip
 
 MAX_LATENCY_SAMPLES = 2000  # client-side latency samples kept for percentiles
 _RETRY_CAP_S = 2.0  # longest pause after a 429, whatever Retry-After says
@@ -100,16 +117,17 @@ def plan_clients(
     fewer tenants are configured than asked for."""
     if api_keys:
         key_by_tenant: dict[str, str] = {}
-        for key, tenant in api_keys.items():
-            key_by_tenant.setdefault(tenant, key)  # a tenant's first key
+        for api_key, tenant in api_keys.items():
+            key_by_tenant.setdefault(tenant, api_key)  # a tenant's first key
         tenants = list(key_by_tenant.items())
     clients = []
     for user in range(num_users):
         index = user % num_tenants
+        key: str | None = None
         if api_keys:
             tenant, key = tenants[index % len(tenants)]
         else:
-            tenant, key = f"loadgen-{index}", None
+            tenant = f"loadgen-{index}"
         clients.append(ClientIdentity(tenant, key, session_id=f"loadgen-user-{user}"))
     return clients
 
@@ -242,10 +260,8 @@ class LoadGenerator:
         if self._task is None or self._task.done():
             return
         self._task.cancel()
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await self._task
-        except asyncio.CancelledError:
-            pass
         if self._run is not None and self._run.state == "running":  # cancelled before it began
             self._run.state = "stopped"
 

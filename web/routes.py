@@ -7,6 +7,7 @@ from pathlib import Path
 import msgspec
 from litestar import Request, Response, get, post
 from litestar.static_files import create_static_files_router
+from litestar.types import ControllerRouterHandler
 
 from app.auth import tenant_for_key
 from app.server import ServerState
@@ -83,4 +84,10 @@ async def loadgen_status(request: Request) -> Response:
 
 static_files = create_static_files_router(path="/static", directories=[STATIC_DIR], name="static")
 
-ROUTES = [dashboard, static_files, loadgen_start, loadgen_stop, loadgen_status]
+ROUTES: list[ControllerRouterHandler] = [
+    dashboard,
+    static_files,
+    loadgen_start,
+    loadgen_stop,
+    loadgen_status,
+]

@@ -9,6 +9,8 @@ import torch
 from engine.backends.base import CacheGroupSpec, ForwardOutput, InferenceBackend
 
 if TYPE_CHECKING:
+    from engine.backends.custom import CustomBackend
+    from engine.backends.hf import HFBackend
     from engine.model.loader import LoadedModel
 
 BACKEND_KINDS = ("custom", "hf")
@@ -20,12 +22,18 @@ def create_backend(
     kind: str, loaded_model: LoadedModel, device: torch.device, dtype: torch.dtype
 ) -> InferenceBackend:
     """The backend `kind` ("custom" or "hf") for a loaded model, on `device` in `dtype`."""
+    from engine.model.architecture import GemmaTextConfig
+
+    backend_class: type[CustomBackend | HFBackend]
     if kind == "custom":
         from engine.backends.custom import CustomBackend as backend_class
     elif kind == "hf":
         from engine.backends.hf import HFBackend as backend_class
     else:
         raise ValueError(f"unknown backend {kind!r}: expected one of {', '.join(BACKEND_KINDS)}")
-    return backend_class(
-        loaded_model.config, loaded_model.state_dict, device, dtype, loaded_model.max_model_len
-    )
+    config = loaded_model.config  # typed PretrainedConfig; load_model() gives a Gemma one
+    if not isinstance(config, GemmaTextConfig):
+        raise TypeError(
+            f"expected Gemma3TextConfig or Gemma4TextConfig, got {type(config).__name__}"
+        )
+    return backend_class(config, loaded_model.state_dict, device, dtype, loaded_model.max_model_len)

@@ -49,6 +49,8 @@ def paged_attention_forward(
     if paged_step is None:
         raise RuntimeError(f"the {ATTENTION_NAME!r} attention needs the engine's paged_step")
     layer = module.layer_idx
+    assert isinstance(layer, int)  # transformers' attention modules know their layer
+    assert scaling is not None  # and pass their scaling
     source = kv_sources[layer]
     if source == layer:  # a layer with its own K/V (KV-shared layers get the producer's; ignore)
         paged_step.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))

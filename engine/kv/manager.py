@@ -21,12 +21,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.backends.base import CacheGroupSpec
 from engine.kv.block_pool import Block, BlockPool
 from engine.kv.eviction import EVICTION_POLICIES, EvictionPolicy, make_policy
 from engine.kv.prefix_cache import PrefixCache, RadixNode
 from engine.request import Sequence
+
+
+class _ToList(Protocol):
+    """A 1-D tensor or array (this module does not import torch)."""
+
+    def tolist(self) -> list: ...
 
 
 @dataclass(frozen=True)
@@ -197,6 +204,7 @@ class KVCacheManager:
             pool, table = self.pools[group], state.tables[group]
             if cow:
                 src = table[first]
+                assert src is not None  # _plan copies only a block seq holds
                 dst = pool.allocate()
                 self._copies.append(BlockCopy(group, src.block_id, dst.block_id))
                 self.num_cow_copies += 1
@@ -270,10 +278,15 @@ class KVCacheManager:
         state = self._seqs[seq.seq_id]
         start, bs = seq.num_computed_tokens, self.block_size
         positions = range(start, start + num_new_tokens)
-        return {
-            group: [table[pos // bs].block_id * bs + pos % bs for pos in positions]
-            for group, table in state.tables.items()
-        }
+        out: dict[str, list[int]] = {}
+        for group, table in state.tables.items():
+            slots = []
+            for pos in positions:
+                block = table[pos // bs]
+                assert block is not None, f"position {pos} of seq {seq.seq_id} is not allocated"
+                slots.append(block.block_id * bs + pos % bs)
+            out[group] = slots
+        return out
 
     def key_slots_and_positions(
         self, seq: Sequence, num_new_tokens: int
@@ -306,7 +319,10 @@ class KVCacheManager:
         return seq.eviction_policy == "h2o" and seq.max_kv_tokens is not None
 
     def record_attention(
-        self, seq: Sequence, mass: SequenceOf[float], key_slots: SequenceOf[int]
+        self,
+        seq: Sequence,
+        mass: SequenceOf[float] | _ToList,
+        key_slots: SequenceOf[int] | _ToList,
     ) -> None:
         """Accumulate the attention mass seq's keys received in one step, per logical block
         (h2o scores). mass[i] belongs to the key in slot key_slots[i] of the primary group
@@ -321,7 +337,7 @@ class KVCacheManager:
             raise ValueError(f"{len(masses)} attention masses for {len(slots)} key slots")
         table = state.tables[self.primary]
         logical = {b.block_id: index for index, b in enumerate(table) if b is not None}
-        for value, slot in zip(masses, slots):
+        for value, slot in zip(masses, slots, strict=True):
             index = logical.get(slot // self.block_size)
             if index is not None:
                 state.scores[index] = state.scores.get(index, 0.0) + value
@@ -457,8 +473,9 @@ class KVCacheManager:
             table, pool = state.tables[group], self.pools[group]
             end = min(max(0, num_computed - window) // self.block_size, len(table))
             for index in range(state.window_start.get(group, 0), end):
-                if table[index] is not None:
-                    pool.decref(table[index])
+                block = table[index]
+                if block is not None:
+                    pool.decref(block)
                     table[index] = None
                     self.num_window_freed_blocks += 1
             state.window_start[group] = max(end, state.window_start.get(group, 0))
@@ -485,8 +502,9 @@ class KVCacheManager:
         victims = policy.select_victims(held, budget, state.scores)
         for index in sorted(victims, reverse=True):
             for group, table in state.tables.items():
-                if index < len(table) and table[index] is not None:
-                    self.pools[group].decref(table[index])
+                block = table[index] if index < len(table) else None
+                if block is not None:
+                    self.pools[group].decref(block)
                     table[index] = None
             state.scores.pop(index, None)
             self.num_evicted_blocks += 1
@@ -499,7 +517,7 @@ class KVCacheManager:
     def _held_at(state: _SeqBlocks, index: int) -> dict[str, Block]:
         """The blocks seq holds at one logical index, per group."""
         return {
-            group: table[index]
+            group: block
             for group, table in state.tables.items()
-            if index < len(table) and table[index] is not None
+            if index < len(table) and (block := table[index]) is not None
         }

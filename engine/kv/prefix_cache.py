@@ -244,6 +244,7 @@ class PrefixCache:
 
     def _remove_subtree(self, node: RadixNode) -> None:
         parent = node.parent
+        assert parent is not None  # a root holds no block, so it is never reclaimed
         del parent.children[node.key]
         stack = [node]
         while stack:
@@ -270,9 +271,13 @@ class PrefixCache:
 
     def _prune_root(self, node: RadixNode) -> None:
         """Forget an empty salt tree, so one-off salts do not accumulate."""
-        if node.parent is None and not node.children and not node.exact_keys:
-            if self.roots.get(node.salt) is node:
-                del self.roots[node.salt]
+        if (
+            node.parent is None
+            and not node.children
+            and not node.exact_keys
+            and self.roots.get(node.salt) is node
+        ):
+            del self.roots[node.salt]
 
     # ------------------------------------------------------------------ views
 

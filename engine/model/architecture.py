@@ -99,6 +99,8 @@ def _gemma3(config: Gemma3TextConfig) -> GemmaArchitecture:
         raise NotImplementedError(
             "Gemma 3 bidirectional attention (use_bidirectional_attention) is not supported"
         )
+    # transformers' __post_init__ fills these in when a checkpoint's config leaves them out.
+    assert config.layer_types is not None and config.rope_parameters is not None
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     layers = tuple(
         LayerSpec(
@@ -138,6 +140,8 @@ def _gemma4(config: Gemma4TextConfig) -> GemmaArchitecture:
         raise NotImplementedError(
             "Gemma 4 bidirectional attention (use_bidirectional_attention='all') is not supported"
         )
+    # transformers' __post_init__ fills these in when a checkpoint's config leaves them out.
+    assert config.layer_types is not None and config.rope_parameters is not None
     layer_types = config.layer_types[: config.num_hidden_layers]
     sharing = config.kv_sharing_modes
     # A KV-shared ("reuse") layer attends over the cache of the last earlier layer of its type
@@ -166,8 +170,13 @@ def _gemma4(config: Gemma4TextConfig) -> GemmaArchitecture:
                 intermediate_size=config.intermediate_size * (2 if double_wide else 1),
             )
         )
+    # per_layer_config is typed as a Sequence, but it also takes a layer type (and checks that
+    # every layer of that type has the same config).
     rope = {
-        t: _rope_spec(config.rope_parameters[t], config.per_layer_config[t].head_dim)
+        t: _rope_spec(
+            config.rope_parameters[t],
+            config.per_layer_config[t].head_dim,  # type: ignore[call-overload]
+        )
         for t in set(layer_types)
     }
     return GemmaArchitecture(

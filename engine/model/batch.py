@@ -13,6 +13,7 @@ positions, never from slot order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -51,4 +52,4 @@ class ForwardBatch:
 
     @property
     def query_lens(self) -> list[int]:
-        return [b - a for a, b in zip(self.query_start, self.query_start[1:])]
+        return [b - a for a, b in pairwise(self.query_start)]

@@ -34,6 +34,8 @@ class RMSNorm(nn.Module):
     """Gemma RMSNorm; `unit_offset` selects Gemma 3's (1 + w) form, `with_scale=False` Gemma 4's
     weightless value norm."""
 
+    scale: torch.Tensor | None  # a buffer set by init_buffers() when there is a weight
+
     def __init__(self, dim: int, eps: float, unit_offset: bool, with_scale: bool = True) -> None:
         super().__init__()
         self.eps = eps
@@ -168,6 +170,7 @@ class DecoderLayer(nn.Module):
         x = x + self.post_attention_layernorm(attended)
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         if self.has_per_layer_input:
+            assert per_layer_input is not None  # TextModel passes one to every layer then
             gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer_input
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         if self.layer_scalar is not None:
@@ -177,6 +180,8 @@ class DecoderLayer(nn.Module):
 
 class ScaledEmbedding(nn.Embedding):
     """Token embedding times sqrt(width), the scale rounded to the embedding dtype first."""
+
+    embed_scale: torch.Tensor  # a buffer set by init_buffers()
 
     def __init__(self, num_embeddings: int, embedding_dim: int, scale: float) -> None:
         super().__init__(num_embeddings, embedding_dim)
@@ -255,7 +260,7 @@ class TextModel(nn.Module):
         per_layer = self.per_layer_inputs(input_ids, x) if self.per_layer_input_size else None
         rotary = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            cos, sin = rotary[layer.self_attn.spec.layer_type]
+            cos, sin = rotary[self.arch.layers[i].layer_type]
             x = layer(x, cos, sin, step, per_layer[:, i] if per_layer is not None else None)
         return x
 

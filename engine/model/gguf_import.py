@@ -74,7 +74,7 @@ def convert_gguf_to_checkpoint(gguf_path: Path, target: Path) -> None:
             with _phase("writing float32 weights"):
                 config.save_pretrained(scratch)
                 save_file(weights, str(scratch / "model.safetensors"))
-            with _phase("building tokenizer from the GGUF vocabulary"):
+            with _phase("tokenizer (built alongside; the wait left)"):
                 tokenizer.result()  # started first, in the other process; usually done by now
         if target.exists():
             shutil.rmtree(target)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import structlog
 import torch
-from filelock import FileLock
+from filelock import FileLock, Timeout
 from safetensors import safe_open
 from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
@@ -101,7 +101,13 @@ def embedded_checkpoint_dir() -> Path:
     target = cache_root() / EMBEDDED_MODEL
     target.parent.mkdir(parents=True, exist_ok=True)
     # Several processes may start at once on a cold cache: one converts, the others wait here.
-    with FileLock(str(target) + ".lock"):
+    lock = FileLock(str(target) + ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("waiting for another process to prepare the model", lock=lock.lock_file)
+        lock.acquire()
+    try:
         if not (target / "model.safetensors").exists():
             started = time.perf_counter()
             log.info("preparing model (first start on this cache)", model=EMBEDDED_MODEL)
@@ -109,6 +115,8 @@ def embedded_checkpoint_dir() -> Path:
             log.info(
                 "model prepared", path=str(target), seconds=round(time.perf_counter() - started, 1)
             )
+    finally:
+        lock.release()
     return target
 
 

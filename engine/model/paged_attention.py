@@ -99,9 +99,11 @@ class _GroupPlan:
             )
         elif decode:
             seqs = torch.tensor(decode, device=positions.device)
-            rows = torch.tensor([starts[i] for i in decode], device=positions.device)
+            decode_rows = torch.tensor([starts[i] for i in decode], device=positions.device)
             width = max(widths[i] for i in decode)
-            yield _make_chunk(group, seqs, rows, positions[rows], 1, width, window, device, dtype)
+            yield _make_chunk(
+                group, seqs, decode_rows, positions[decode_rows], 1, width, window, device, dtype
+            )
         for i, n in enumerate(lens):
             if n > 1:
                 rows = slice(starts[i], starts[i + 1])
@@ -186,7 +188,7 @@ class PagedAttentionStep:
     def attend(
         self, kv_layer: int, query: torch.Tensor, scaling: float, softcap: float | None = None
     ) -> torch.Tensor:
-        """Attention output [T, H, head_dim] of `query` ([T, H, head_dim]) over `kv_layer`'s cache."""
+        """Attention output [T, H, head_dim] of `query` ([T, H, head_dim]) over kv_layer's cache."""
         group = self.cache.group_of_layer[kv_layer]
         plan = self.plans[group]
         keys, values = self.cache.keys[kv_layer], self.cache.values[kv_layer]
@@ -208,7 +210,7 @@ class PagedAttentionStep:
         if self.mass is None:
             return None
         valid = self.plans["full"].key_valid.to(self.mass.device)
-        return [row[keep] for row, keep in zip(self.mass, valid)]
+        return [row[keep] for row, keep in zip(self.mass, valid, strict=True)]
 
 
 # Prefill queries are attended in slices so one slice's score matrix stays under this many

@@ -41,11 +41,12 @@ class TokenCost:
 
 
 class Policy(ABC):
-    """What the scheduler asks a policy. Every hook but `select` defaults to doing nothing."""
+    """What the scheduler asks a policy. Every hook but `select` defaults to doing nothing
+    (their bodies are empty on purpose, hence `noqa: B027`)."""
 
     name: ClassVar[str]
 
-    def on_arrival(self, seq: Sequence, waiting: SequenceOf[Sequence]) -> None:
+    def on_arrival(self, seq: Sequence, waiting: SequenceOf[Sequence]) -> None:  # noqa: B027
         """A new request is about to join `waiting` (the queue before it joins).
 
         Not called when a preempted sequence returns to the queue: that is not new work.
@@ -55,10 +56,12 @@ class Policy(ABC):
     def select(self, waiting: SequenceOf[Sequence]) -> Sequence:
         """The sequence to admit next from `waiting` (non-empty, in queue order)."""
 
-    def on_admitted(self, seq: Sequence) -> None:
+    def on_admitted(self, seq: Sequence) -> None:  # noqa: B027
         """`seq` left the waiting queue to run."""
 
-    def charge(self, tenant: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
+    def charge(  # noqa: B027
+        self, tenant: str, num_prompt_tokens: int, num_output_tokens: int
+    ) -> None:
         """`tenant` is served these tokens in the step being scheduled."""
 
     def counters(self) -> dict[str, float]:
