@@ -13,6 +13,7 @@ from engine.backends import create_backend
 from engine.device import resolve_device, resolve_dtype
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.metrics import ServingMetrics
+from engine.model.linear_kernels import kernel_for
 from engine.model.loader import load_model
 
 log = structlog.get_logger(__name__)
@@ -32,14 +33,21 @@ def build_server_state(settings: Settings, created: int) -> ServerState:
     """Load the model and start the engine loop; returns once the engine takes work."""
     device = resolve_device(settings.DEVICE)
     dtype = resolve_dtype(settings.DTYPE, device)
-    log.info("loading model", model=settings.MODEL_NAME, device=str(device), dtype=str(dtype))
+    kernel = kernel_for(settings.WEIGHTS, settings.NUMERICS, device)
+    log.info(
+        "loading model",
+        model=settings.MODEL_NAME,
+        device=str(device),
+        dtype=str(dtype),
+        linear_kernel=kernel,
+    )
 
     def build_engine() -> LLMEngine:
         # Runs on the engine thread: loading, backend and KV allocation included (see AsyncEngine).
         loaded = load_model(settings.MODEL_NAME, dtype)
         return LLMEngine.for_model(
             loaded,
-            create_backend(settings.BACKEND, loaded, device, dtype),
+            create_backend(settings.BACKEND, loaded, device, dtype, kernel),
             EngineConfig(
                 max_batch_size=settings.MAX_BATCH_SIZE,
                 max_num_batched_tokens=settings.MAX_NUM_BATCHED_TOKENS,

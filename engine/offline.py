@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from engine.backends import create_backend
 from engine.device import resolve_device, resolve_dtype
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.model.linear_kernels import kernel_for
 from engine.model.loader import EMBEDDED_MODEL, LoadedModel, load_model
 from engine.request import FinishReason, Sequence, TokenLogprob
 from engine.sampling import InvalidRequestError, SamplingParams
@@ -46,16 +47,20 @@ class LLM:
         device: str | None = None,
         dtype: str | None = None,
         config: EngineConfig = EngineConfig(),
+        weights: str = "fp32",
+        numerics: str = "exact",
     ) -> None:
         """`model` is a name for load_model(), or an already loaded model (loaded once and
-        shared, e.g. by tests; the backend casts its weights to `dtype`)."""
+        shared, e.g. by tests; the backend casts its weights to `dtype`). `weights` and
+        `numerics` pick the linear-layer kernels as the WEIGHTS / NUMERICS settings do."""
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        kernel = kernel_for(weights, numerics, self.device)
         loaded = model if isinstance(model, LoadedModel) else load_model(model, self.dtype)
         self.model_id = loaded.model_id
         self.tokenizer = loaded.tokenizer
         self.engine = LLMEngine.for_model(
-            loaded, create_backend(backend, loaded, self.device, self.dtype), config
+            loaded, create_backend(backend, loaded, self.device, self.dtype, kernel), config
         )
 
     def encode(self, prompt: Prompt) -> list[int]:

@@ -1,5 +1,6 @@
-"""Single-stream speed of the forward pass: our `custom` backend vs the `hf` backend (both inside
-our engine) vs transformers' own `generate`, on the embedded model, same prompts, one run.
+"""Single-stream speed of the forward pass: our `custom` backend in each linear-kernel mode
+(float32 exact, float32 packed, int8) vs the `hf` backend (both inside our engine) vs
+transformers' own `generate`, on the embedded model, same prompts, one run.
 
 Prefill tokens/s: prompt tokens / time of the step that computes the whole prompt.
 Decode tokens/s: tokens / time of the following one-token steps.
@@ -24,8 +25,10 @@ from evals.harness import hf_reference_model, time_generate, token_prompt, write
 from evals.plots import bar_chart
 
 
-def engine_speed(kind: str, loaded, prompts: list[list[int]], decode_tokens: int) -> dict:
-    backend = create_backend(kind, loaded, torch.device("cpu"), torch.float32)
+def engine_speed(
+    kind: str, loaded, prompts: list[list[int]], decode_tokens: int, kernel: str = "exact"
+) -> dict:
+    backend = create_backend(kind, loaded, torch.device("cpu"), torch.float32, kernel)
     longest = max(len(p) for p in prompts)
     engine = LLMEngine.for_model(
         loaded,
@@ -91,9 +94,12 @@ def main() -> None:
     loaded = load_model()
     rng = random.Random(0)
     prompts = [token_prompt(loaded.tokenizer, rng, args.prompt_tokens) for _ in range(args.repeats)]
+    decode = args.decode_tokens
     results = {
-        "custom (our forward, engine)": engine_speed("custom", loaded, prompts, args.decode_tokens),
-        "hf (transformers model, engine)": engine_speed("hf", loaded, prompts, args.decode_tokens),
+        "custom fp32 exact": engine_speed("custom", loaded, prompts, decode),
+        "custom fp32 fast (packed)": engine_speed("custom", loaded, prompts, decode, "packed"),
+        "custom int8": engine_speed("custom", loaded, prompts, decode, "int8"),
+        "hf (transformers model, engine)": engine_speed("hf", loaded, prompts, decode),
         "transformers generate": generate_speed(loaded, prompts, args.decode_tokens),
     }
     for name, row in results.items():
@@ -104,11 +110,11 @@ def main() -> None:
     path = write_results(
         "bench_forward",
         {"prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
-         "repeats": args.repeats, "dtype": "float32", "results": results},
+         "repeats": args.repeats, "results": results},
     )  # fmt: skip
     bar_chart(
         path.with_suffix(".png"),
-        "Single-stream speed, Gemma 3 270M, float32",
+        "Single-stream speed, Gemma 3 270M",
         {name: row["decode_tok_s"] for name, row in results.items()},
         "decode tokens/s",
         {name: row["prefill_tok_s"] for name, row in results.items()},

@@ -19,9 +19,14 @@ __all__ = ["BACKEND_KINDS", "CacheGroupSpec", "ForwardOutput", "InferenceBackend
 
 
 def create_backend(
-    kind: str, loaded_model: LoadedModel, device: torch.device, dtype: torch.dtype
+    kind: str,
+    loaded_model: LoadedModel,
+    device: torch.device,
+    dtype: torch.dtype,
+    kernel: str = "exact",
 ) -> InferenceBackend:
-    """The backend `kind` ("custom" or "hf") for a loaded model, on `device` in `dtype`."""
+    """The backend `kind` ("custom" or "hf") for a loaded model, on `device` in `dtype`, its
+    linear layers run by `kernel` (engine.model.linear_kernels)."""
     from engine.model.architecture import GemmaTextConfig
 
     backend_class: type[CustomBackend | HFBackend]
@@ -36,4 +41,6 @@ def create_backend(
         raise TypeError(
             f"expected Gemma3TextConfig or Gemma4TextConfig, got {type(config).__name__}"
         )
-    return backend_class(config, loaded_model.state_dict, device, dtype, loaded_model.max_model_len)
+    return backend_class(
+        config, loaded_model.state_dict, device, dtype, loaded_model.max_model_len, kernel
+    )

@@ -20,8 +20,9 @@ class CustomBackend(PagedCacheBackend):
         device: torch.device,
         dtype: torch.dtype,
         max_model_len: int,
+        kernel: str = "exact",
     ) -> None:
-        self.model = GemmaForCausalLM.from_state_dict(config, state_dict, device, dtype)
+        self.model = GemmaForCausalLM.from_state_dict(config, state_dict, device, dtype, kernel)
         super().__init__(self.model.arch, device, dtype, max_model_len)
 
     @torch.inference_mode()

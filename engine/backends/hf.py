@@ -29,6 +29,7 @@ from engine.backends.base import ForwardOutput
 from engine.backends.paged import PagedCacheBackend
 from engine.model.architecture import GemmaTextConfig, architecture_from_config
 from engine.model.batch import ForwardBatch
+from engine.model.linear_kernels import quantize_model
 from engine.model.paged_attention import PagedAttentionStep
 
 ATTENTION_NAME = "gemma_serve_paged"
@@ -76,6 +77,7 @@ class HFBackend(PagedCacheBackend):
         device: torch.device,
         dtype: torch.dtype,
         max_model_len: int,
+        kernel: str = "exact",
     ) -> None:
         arch = architecture_from_config(config)  # rejects what neither backend supports
         super().__init__(arch, device, dtype, max_model_len)
@@ -99,7 +101,9 @@ class HFBackend(PagedCacheBackend):
             raise ValueError(
                 f"weights do not match the config: missing {missing}, unexpected {unexpected}"
             )
-        self.model = model.to(device).eval().requires_grad_(False)
+        model = model.to(device).eval().requires_grad_(False)
+        quantize_model(model, kernel)  # every projection and the LM head, as in `custom`
+        self.model = model
         self.kv_sources = tuple(spec.kv_source for spec in arch.layers)
 
     def _is_shared_layer_kv_weight(self, key: str) -> bool:

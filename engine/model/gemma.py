@@ -27,6 +27,7 @@ from engine.model.architecture import (
     LayerSpec,
     architecture_from_config,
 )
+from engine.model.linear_kernels import make_linear, quantize_model
 from engine.model.paged_attention import PagedAttentionStep
 
 
@@ -275,6 +276,8 @@ class GemmaForCausalLM(nn.Module):
         self.tied = bool(config.tie_word_embeddings)
         if not self.tied:
             self.lm_head = _linear(config.hidden_size, config.vocab_size)
+        # The LM head under a faster kernel (linear_kernels); None: F.linear on lm_head_weight.
+        self.fast_head: nn.Module | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -287,9 +290,10 @@ class GemmaForCausalLM(nn.Module):
         state_dict: dict[str, torch.Tensor],
         device: torch.device,
         dtype: torch.dtype,
+        kernel: str = "exact",
     ) -> GemmaForCausalLM:
-        """The model with transformers-named weights, on `device` in `dtype`; checks that
-        nothing is missing or left over."""
+        """The model with transformers-named weights, on `device` in `dtype`, its linear layers
+        run by `kernel` (see linear_kernels); checks that nothing is missing or left over."""
         with torch.device("meta"):  # no throwaway random init: the weights replace everything
             model = cls(config)
         weights = dict(state_dict)
@@ -310,6 +314,10 @@ class GemmaForCausalLM(nn.Module):
                 f"weights do not match the config: missing {missing}, unexpected {unexpected}"
             )
         model.model.init_buffers()
+        if kernel != "exact":
+            quantize_model(model.model, kernel)
+            # A tied head keeps its float embedding table for lookups and gets its own copy.
+            model.fast_head = make_linear(kernel, model.lm_head_weight)
         return model.requires_grad_(False)
 
     def forward(
@@ -322,7 +330,10 @@ class GemmaForCausalLM(nn.Module):
         """Logits [N, vocab] float32 for the rows `logits_indices` of the flattened batch."""
         hidden = self.model(input_ids, positions, step)
         hidden = self.model.norm(hidden.index_select(0, logits_indices))
-        logits = F.linear(hidden, self.lm_head_weight)
+        if self.fast_head is not None:
+            logits = self.fast_head(hidden)
+        else:
+            logits = F.linear(hidden, self.lm_head_weight)
         cap = self.arch.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

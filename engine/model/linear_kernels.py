@@ -1,0 +1,109 @@
+"""Which kernel runs the model's linear layers, by weight mode, numerics and device.
+
+Three ways to run `x @ W.T`, chosen by measurement (`python -m evals.bench_kernels`):
+- `exact`: `F.linear` on the model's dtype, bit for bit what transformers computes.
+- `packed`: the same float32 weights, reordered once into oneDNN's blocked layout so each call
+  skips the repacking `F.linear` does (CPU only). Same maths, another summation order: logits
+  differ from `exact` in the last bits.
+- `int8`: fbgemm's dynamic quantization (CPU only). Weights are int8 with one scale per output
+  channel; each call quantizes the activations to int8 with one scale per row, multiplies in
+  integers, and rescales to float32. Approximate: `evals/quality.py` measures what it costs.
+
+`quantize_model` swaps a model's `nn.Linear` modules (and the LM head) for the chosen kernel in
+place. On CUDA and MPS only `exact` exists: the other kernels are CPU libraries.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+WEIGHT_MODES = ("fp32", "int8")
+NUMERICS_MODES = ("exact", "fast")
+
+
+def kernel_for(weights: str, numerics: str, device: torch.device) -> str:
+    """`exact`, `packed` or `int8` for the WEIGHTS / NUMERICS settings on `device`."""
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"unknown WEIGHTS {weights!r}: expected one of {', '.join(WEIGHT_MODES)}")
+    if numerics not in NUMERICS_MODES:
+        raise ValueError(
+            f"unknown NUMERICS {numerics!r}: expected one of {', '.join(NUMERICS_MODES)}"
+        )
+    if weights == "int8":  # approximate whatever NUMERICS says
+        if device.type != "cpu":
+            raise ValueError(f"WEIGHTS=int8 uses fbgemm, a CPU kernel; not available on {device}")
+        return "int8"
+    if numerics == "fast" and device.type == "cpu" and torch.backends.mkldnn.is_available():
+        return "packed"
+    return "exact"
+
+
+class PackedLinear(nn.Module):
+    """float32 `x @ W.T` through oneDNN with the weight reordered once, at load time."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+class DynamicInt8Linear(nn.Module):
+    """fbgemm int8 `x @ W.T`: per-channel int8 weights, activations quantized per row per call.
+
+    fbgemm picks one activation scale and zero point from the whole input's min and max, so one
+    row with large values (Gemma's first token) would coarsen every other row, and a request's
+    result would depend on who else is in the batch. Instead each row is divided by its largest
+    magnitude, and two extra input columns holding +1 and -1 (against zero weights) pin the
+    range fbgemm sees to exactly [-1, 1]: every row gets its own scale and the same
+    quantization alone or in any batch. The row's magnitude multiplies the output back.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        weight = weight.float()
+        weight = torch.cat([weight, weight.new_zeros(weight.shape[0], 2)], dim=1).contiguous()
+        scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-8).double()
+        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():
+            # PyTorch warns that quantized tensor types are deprecated; fbgemm's prepacked linear
+            # still takes one, and measures 2-10x faster than float32 here (see the module doc).
+            warnings.simplefilter("ignore", UserWarning)
+            quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(quantized, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        row_max = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+        pins = x.new_tensor([1.0, -1.0]).expand(*x.shape[:-1], 2)
+        # Full 8-bit activations (reduce_range=False): 7 bits cost 10% perplexity here. CPUs with
+        # VNNI sum in int32; older AVX2-only ones can saturate a pair sum in rare cases.
+        out = torch.ops.quantized.linear_dynamic(
+            torch.cat([x / row_max, pins], -1), self.packed, False
+        )
+        return out * row_max
+
+
+_KERNELS: dict[str, type[nn.Module]] = {"packed": PackedLinear, "int8": DynamicInt8Linear}
+
+
+def make_linear(kernel: str, weight: torch.Tensor) -> nn.Module:
+    """A module computing `x @ weight.T` with `kernel` (not `exact`: that is plain nn.Linear)."""
+    return _KERNELS[kernel](weight)
+
+
+def quantize_model(model: nn.Module, kernel: str) -> None:
+    """Replace every bias-free `nn.Linear` under `model` with `kernel`'s module, in place."""
+    if kernel == "exact":
+        return
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                if child.bias is not None:
+                    raise ValueError(f"{name}: linear layers with a bias are not supported")
+                setattr(parent, name, make_linear(kernel, child.weight))

