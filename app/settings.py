@@ -17,7 +17,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     DTYPE: Literal["float32", "bfloat16", "float16"] | None = None  # None: by device
     # Linear-layer kernels (engine.model.linear_kernels): int8 weights, or DTYPE weights computed
     # bit-exact to transformers (exact) or through pre-packed oneDNN kernels on CPU (fast).
-    WEIGHTS: Literal["fp32", "int8"] = "fp32"
+    # auto: int8 on CPU, DTYPE weights on a GPU.
+    WEIGHTS: Literal["auto", "fp32", "int8"] = "auto"
     NUMERICS: Literal["exact", "fast"] = "exact"
     MAX_BATCH_SIZE: int = 32
     MAX_ACTIVE_KV_TOKENS: int | None = None  # None: sized from memory

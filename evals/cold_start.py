@@ -14,63 +14,39 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from evals.harness import RESULTS, ROOT, free_port, write_results
+from evals.harness import RESULTS, free_port, running_process, write_results
 from evals.plots import bar_chart
 
 
 def timed_start(cache: Path, log_path: Path) -> dict:
     """Seconds from `make serve` to healthy and to the first answered completion, plus its log."""
     port = free_port()
+    base = f"http://127.0.0.1:{port}"
     env = dict(os.environ, GEMMA_SERVE_CACHE=str(cache), LOG_FORMAT="json")
+    command = ["make", "--no-print-directory", "serve", "HOST=127.0.0.1", f"PORT={port}"]
     start = time.perf_counter()
-    with log_path.open("w") as log:
-        # Its own process group: make's child (the server) is stopped with it.
-        process = subprocess.Popen(
-            ["make", "--no-print-directory", "serve", "HOST=127.0.0.1", f"PORT={port}"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    with running_process(command, log_path, base + "/health", env):
+        healthy_s = time.perf_counter() - start
+        response = httpx.post(
+            base + "/v1/completions",
+            json={"model": "gemma-3-270m", "prompt": "The capital of France is",
+                  "max_tokens": 8, "temperature": 0},
+            timeout=120,
         )  # fmt: skip
-        try:
-            base = f"http://127.0.0.1:{port}"
-            healthy_s = _wait_healthy(process, base, log_path) - start
-            response = httpx.post(
-                base + "/v1/completions",
-                json={"model": "gemma-3-270m", "prompt": "The capital of France is",
-                      "max_tokens": 8, "temperature": 0},
-                timeout=120,
-            )  # fmt: skip
-            response.raise_for_status()
-            answered_s = time.perf_counter() - start
-        finally:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=60)
+        response.raise_for_status()
+        answered_s = time.perf_counter() - start
     return {
         "healthy_s": round(healthy_s, 2),
         "first_answer_s": round(answered_s, 2),
         "answer": response.json()["choices"][0]["text"],
         "phases_s": _conversion_phases(log_path),
     }
-
-
-def _wait_healthy(process: subprocess.Popen, base: str, log_path: Path) -> float:
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"make serve exited; see {log_path}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return time.perf_counter()
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"server not healthy in 15 minutes; see {log_path}")
 
 
 def _conversion_phases(log_path: Path) -> dict[str, float]:

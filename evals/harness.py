@@ -8,10 +8,12 @@ import json
 import os
 import platform
 import random
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -66,35 +68,49 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(log_path: Path, **settings: object):
-    """Start `python -m app serve` with `settings` as env vars; yield its base URL."""
-    port = free_port()
-    env = dict(os.environ, HOST="127.0.0.1", PORT=str(port), LOG_FORMAT="json")
-    env.update({k: str(v) for k, v in settings.items()})
+def running_process(
+    command: list[str], log_path: Path, health_url: str, env: dict[str, str] | None = None
+) -> Iterator[None]:
+    """Run a server `command` (logging to `log_path`) until `health_url` answers 200; stop it
+    (its whole process group) on exit."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "app", "serve"], cwd=ROOT, env=env, stdout=log,
-            stderr=subprocess.STDOUT,
+            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
         )  # fmt: skip
-        base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 600
+            deadline = time.monotonic() + 900
             while True:
                 if process.poll() is not None:
-                    raise RuntimeError(f"server exited; see {log_path}")
+                    raise RuntimeError(f"{command[0]} exited; see {log_path}")
                 try:
-                    if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    if httpx.get(health_url, timeout=2).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"server not healthy; see {log_path}")
+                    raise RuntimeError(f"{command[0]} not healthy; see {log_path}")
                 time.sleep(0.5)
-            yield base
+            yield
         finally:
-            process.terminate()
-            process.wait(timeout=60)
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+@contextmanager
+def running_server(log_path: Path, **settings: object) -> Iterator[str]:
+    """Start `python -m app serve` with `settings` as env vars; yield its base URL."""
+    port = free_port()
+    env = dict(os.environ, HOST="127.0.0.1", PORT=str(port), LOG_FORMAT="json")
+    env.update({k: str(v) for k, v in settings.items()})
+    base = f"http://127.0.0.1:{port}"
+    with running_process([sys.executable, "-m", "app", "serve"], log_path, base + "/health", env):
+        yield base
 
 
 def make_prompt(rng: random.Random, num_words: int, prefix: str = "") -> str:
@@ -132,44 +148,59 @@ async def stream_completion(
     start = time.perf_counter()
     first = None
     usage = {}
+    text_chunks = 0
     async with client.stream("POST", base + "/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if chunk["choices"] and first is None:
-                first = time.perf_counter()
+            if chunk["choices"] and chunk["choices"][0].get("text"):
+                text_chunks += 1
+                first = first or time.perf_counter()
             if chunk.get("usage"):
                 usage = chunk["usage"]
     end = time.perf_counter()
     return RequestTiming(
         ttft_s=(first or end) - start,
         e2e_s=end - start,
-        output_tokens=usage.get("completion_tokens", 0),
+        # A server that sends no usage (llama.cpp may not) streams one token per chunk.
+        output_tokens=usage.get("completion_tokens", text_chunks),
         cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
     )
 
 
 async def closed_loop(
-    base: str, prompts: list[str | list[int]], concurrency: int, max_tokens: int
+    base: str,
+    prompts: list[str | list[int]],
+    concurrency: int,
+    max_tokens: int,
+    seconds: float | None = None,
 ) -> tuple[list[RequestTiming], float]:
-    """`concurrency` users, each sending its next prompt as soon as the last one finished."""
+    """`concurrency` users, each sending its next prompt as soon as the last one finished.
+
+    Without `seconds`, every prompt is sent once. With it, users stop starting requests after
+    `seconds` (prompts are taken in order and must not run out); elapsed time runs to the last
+    completion, so the requests in flight at the deadline count in full.
+    """
     queue: asyncio.Queue = asyncio.Queue()
     for prompt in prompts:
         queue.put_nowait(prompt)
     timings: list[RequestTiming] = []
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        start = time.perf_counter()
+        deadline = start + seconds if seconds is not None else float("inf")
 
         async def user() -> None:
-            while not queue.empty():
+            while not queue.empty() and time.perf_counter() < deadline:
                 prompt = queue.get_nowait()
                 timings.append(await stream_completion(client, base, prompt, max_tokens))
 
-        start = time.perf_counter()
         await asyncio.gather(*(user() for _ in range(concurrency)))
         elapsed = time.perf_counter() - start
+    if seconds is not None and queue.empty():
+        raise RuntimeError(f"prompts ran out before {seconds} s: pass more prompts")
     return timings, elapsed
 
 

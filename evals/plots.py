@@ -42,18 +42,31 @@ def line_chart(
     y_label: str,
     log_y: bool = False,
 ) -> None:
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for name, values in series.items():
-        ax.plot(x, values, marker="o" if len(x) <= 12 else None, label=name)
-    ax.set_xlabel(x_label)
-    ax.set_ylabel(y_label)
-    if log_y:
-        ax.set_yscale("log")
-    if len(x) <= 12:
-        ax.set_xticks(x)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title(title)
+    line_panels(path, title, x, [(series, y_label)], x_label, log_y)
+
+
+def line_panels(
+    path: Path,
+    title: str,
+    x: list[float],
+    panels: list[tuple[dict[str, list[float]], str]],
+    x_label: str,
+    log_y: bool = False,
+) -> None:
+    """Side-by-side line panels over the same x, one (series, y label) each; one legend."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4), squeeze=False)
+    for ax, (series, y_label) in zip(axes[0], panels, strict=True):
+        for name, values in series.items():
+            ax.plot(x, values, marker="o" if len(x) <= 12 else None, label=name)
+        ax.set_xlabel(x_label)
+        ax.set_ylabel(y_label)
+        if log_y:
+            ax.set_yscale("log")
+        if len(x) <= 12:
+            ax.set_xticks(x)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

