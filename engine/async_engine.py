@@ -204,6 +204,7 @@ class AsyncEngine:
             "scheduler": self.engine.scheduler.stats().to_dict(),
             "kv": self.engine.kv.stats(),
             "steps": self.engine.num_steps,
+            "step_profile": self.engine.profile.summary(),
         }
 
     # ------------------------------------------------------------------ the loop
@@ -222,7 +223,8 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self._fail_all(exc)
                 continue
-            self._deliver(outputs)
+            with self.engine.profile.phase("deliver"):
+                self._deliver(outputs)
         self._apply_aborts()
 
     def _apply_aborts(self) -> None:

@@ -19,11 +19,12 @@ from engine.backends.base import InferenceBackend
 from engine.detokenizer import IncrementalDetokenizer, check_stop
 from engine.kv.manager import KVCacheManager
 from engine.model.loader import LoadedModel
-from engine.request import FinishReason, Sequence, StepOutput
+from engine.request import FinishReason, Sequence, StepOutput, TokenLogprob
 from engine.sampler import Sampler, SamplingRow
 from engine.sched.admission import AddResult
 from engine.sched.scheduler import Scheduler, SchedulerConfig
 from engine.step_inputs import build_forward_batch
+from engine.step_profile import StepProfile
 
 # With no MAX_ACTIVE_KV_TOKENS, the KV cache takes this share of free memory.
 _AUTO_KV_MEMORY_FRACTION = 0.25
@@ -74,6 +75,7 @@ class LLMEngine:
             self.kv,
         )
         self.sampler = Sampler(self.eos_token_ids)
+        self.profile = StepProfile()  # where each step's time goes (the async engine adds deliver)
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self.num_steps = 0
 
@@ -115,52 +117,69 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[tuple[Sequence, StepOutput]]:
         """Run one iteration; returns the output of every sequence that produced a token."""
-        plan = self.scheduler.schedule()
+        profile = self.profile
+        profile.begin_step()
+        with profile.phase("schedule"):
+            plan = self.scheduler.schedule()
         if plan.is_empty:
+            profile.cancel_step()
             return []
-        copies = self.kv.take_block_copies()
-        if copies:
-            self.backend.copy_blocks(copies)
-        batch = build_forward_batch(plan.scheduled, self.kv)
-        result = self.backend.forward(batch)
-        if result.attention_mass is not None:
-            self._record_attention(plan.scheduled, batch, result.attention_mass)
+        with profile.phase("batch"):
+            copies = self.kv.take_block_copies()
+            if copies:
+                self.backend.copy_blocks(copies)
+            batch = build_forward_batch(plan.scheduled, self.kv)
+        with profile.phase("forward"):
+            result = self.backend.forward(batch)
+            if result.attention_mass is not None:
+                self._record_attention(plan.scheduled, batch, result.attention_mass)
 
         sampling = [item.seq for item in plan.scheduled if item.samples]
         outputs: list[tuple[Sequence, StepOutput]] = []
         finished: dict[int, FinishReason] = {}
         if sampling:
-            sampled = self.sampler.sample(
-                result.logits, [SamplingRow.from_sequence(seq) for seq in sampling]
-            )
-            for seq, token, logprob in zip(
-                sampling, sampled.token_ids, sampled.logprobs, strict=True
-            ):
-                seq.output_token_ids.append(token)
-                reason = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
-                text = self._detokenizers[seq.seq_id].update(token, reason)
-                if text.finish_reason is not None:
-                    finished[seq.seq_id] = text.finish_reason
-                    self._detokenizers.pop(seq.seq_id)
-                outputs.append(
-                    (
-                        seq,
-                        StepOutput(
-                            request_id=seq.request_id,
-                            new_token_ids=[token],
-                            new_text=text.text,
-                            logprobs=None if logprob is None else [logprob],
-                            finished=text.finish_reason is not None,
-                            finish_reason=text.finish_reason,
-                            num_prompt_tokens=seq.num_prompt_tokens,
-                            num_output_tokens=seq.num_output_tokens,
-                            num_cached_tokens=seq.num_cached_prompt_tokens,
-                        ),
-                    )
+            with profile.phase("sample"):
+                sampled = self.sampler.sample(
+                    result.logits, [SamplingRow.from_sequence(seq) for seq in sampling]
                 )
-        self.scheduler.update(plan, finished)
+            with profile.phase("detokenize"):
+                for seq, token, logprob in zip(
+                    sampling, sampled.token_ids, sampled.logprobs, strict=True
+                ):
+                    outputs.append(self._emit(seq, token, logprob, finished))
+        with profile.phase("schedule"):
+            self.scheduler.update(plan, finished)
         self.num_steps += 1
         return outputs
+
+    def _emit(
+        self,
+        seq: Sequence,
+        token: int,
+        logprob: TokenLogprob | None,
+        finished: dict[int, FinishReason],
+    ) -> tuple[Sequence, StepOutput]:
+        """Append a sampled token to `seq`, detokenize it and check stops (noting in `finished`)."""
+        seq.output_token_ids.append(token)
+        reason = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
+        text = self._detokenizers[seq.seq_id].update(token, reason)
+        if text.finish_reason is not None:
+            finished[seq.seq_id] = text.finish_reason
+            self._detokenizers.pop(seq.seq_id)
+        return (
+            seq,
+            StepOutput(
+                request_id=seq.request_id,
+                new_token_ids=[token],
+                new_text=text.text,
+                logprobs=None if logprob is None else [logprob],
+                finished=text.finish_reason is not None,
+                finish_reason=text.finish_reason,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_output_tokens=seq.num_output_tokens,
+                num_cached_tokens=seq.num_cached_prompt_tokens,
+            ),
+        )
 
     def _record_attention(self, scheduled, batch, masses: list[torch.Tensor]) -> None:
         group = self.kv.primary

@@ -32,6 +32,8 @@ from contextlib import AbstractContextManager, contextmanager
 from importlib.resources import files
 from pathlib import Path
 
+import httpx
+
 from engine.model.loader import (
     EMBEDDED_MODEL,
     embedded_checkpoint_dir,
@@ -153,6 +155,9 @@ def measure(launch: Launcher, name: str, prompts, users: list[int], args) -> dic
             )
             offset += len(timings)
             rows[n] = summarize(timings, elapsed)
+            if name.startswith("gemma-serve"):  # where our step time went at this load
+                snapshot = httpx.get(base + "/api/metrics", timeout=30).json()
+                rows[n]["step_profile"] = snapshot["step_profile"]
             print(f"  {name}: N={n} {rows[n]['throughput_tok_s']} tok/s", flush=True)
     return rows
 

@@ -75,9 +75,11 @@ def running_process(
     (its whole process group) on exit."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
+        # stdin stays an open pipe until the server is stopped: llama.cpp's server shuts down
+        # when it reads EOF there, which a closed or /dev/null stdin gives at once.
         process = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         try:
             deadline = time.monotonic() + 900

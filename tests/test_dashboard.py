@@ -70,6 +70,9 @@ def test_dashboard_shows_live_metrics_and_drives_the_load_generator(server, tmp_
                 assert _bar_width(page, tenant, "tokens") > 0
                 assert _bar_width(page, tenant, "counter") > 0  # the default policy is vtc
             expect(page.locator("#prefix-hit-rate")).not_to_have_text("0.0 %")  # shared prompt
+            # Where step time goes: one bar per phase, the forward pass always above zero.
+            expect(page.locator("#step-phases .step-phase")).to_have_count(6)
+            expect(page.locator('[data-phase="forward"] .num')).not_to_have_text("0.00 ms · 0.0 %")
             expect(page.locator("#lg-ttft")).not_to_have_text("0 ms / 0 ms")
             assert page.locator("#lg-failed").text_content() == "0"
 

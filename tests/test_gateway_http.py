@@ -225,6 +225,17 @@ def test_api_metrics_json_percentiles(server: RunningServer) -> None:
         assert 0 < summary["p50"] <= summary["p95"] <= summary["p99"]
     assert {"num_running", "num_waiting", "tenants"} <= snapshot["scheduler"].keys()
     assert {"usage", "num_total_blocks", "prefix_cache"} <= snapshot["kv"].keys()
+    # Where step time goes, by phase; every phase ran in the requests above.
+    profile = snapshot["step_profile"]
+    assert profile["steps"] >= 3
+    assert list(profile["phases"]) == [
+        "schedule", "batch", "forward", "sample", "detokenize", "deliver",
+    ]  # fmt: skip
+    assert all(phase["ms"] > 0 for phase in profile["phases"].values())
+    assert sum(phase["ms"] for phase in profile["phases"].values()) == pytest.approx(
+        profile["step_ms"]
+    )
+    assert sum(phase["share"] for phase in profile["phases"].values()) == pytest.approx(1)
 
 
 def test_health_and_schema(server: RunningServer) -> None:

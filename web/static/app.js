@@ -168,6 +168,32 @@ function drawSparklines() {
   drawSparkline($("spark-ttft"), history.ttft, css.getPropertyValue("--ttft").trim());
 }
 
+function renderProfile(profile) {
+  if (!profile.steps) return;
+  setText("profile-summary", `${profile.step_ms.toFixed(1)} ms a step, last ${profile.steps} steps`);
+  $("step-phases").replaceChildren(
+    ...Object.entries(profile.phases).map(([name, p]) => {
+      const row = document.createElement("div");
+      row.className = "bar-row step-phase";
+      row.dataset.phase = name;
+      const label = document.createElement("span");
+      label.className = "name";
+      label.textContent = name;
+      const stack = document.createElement("div");
+      stack.className = "stack";
+      const part = document.createElement("span");
+      part.className = "in-use";
+      part.style.width = 100 * p.share + "%";
+      stack.append(part);
+      const num = document.createElement("span");
+      num.className = "num";
+      num.textContent = `${p.ms.toFixed(2)} ms · ${fmtPct(p.share)}`;
+      row.append(label, stack, num);
+      return row;
+    })
+  );
+}
+
 function renderMetrics(snap) {
   const m = snap.metrics;
   const s = snap.scheduler;
@@ -187,6 +213,7 @@ function renderMetrics(snap) {
   renderLatency("tpot", m.tpot_s);
   renderLatency("e2e", m.e2e_s);
   renderKv(snap.kv);
+  renderProfile(snap.step_profile);
   renderTenants(s.tenants);
   pushHistory(history.throughput, m.throughput_tokens_per_s);
   pushHistory(history.ttft, m.ttft_s.p50);
