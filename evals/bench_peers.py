@@ -196,6 +196,7 @@ def main() -> None:
     prompts = [token_prompt(loaded.tokenizer, rng, args.prompt_tokens) for _ in range(3000)]
     results: dict[str, dict[int, dict]] = {}
     skipped = []
+    failed: dict[str, str] = {}
     for name, launch in engines(max(args.users)).items():
         if args.only and name not in args.only:
             continue
@@ -204,7 +205,18 @@ def main() -> None:
             print(f"{name}: not installed (make peers), skipped")
             continue
         print(f"{name}:", flush=True)
-        results[name] = measure(launch, name, prompts, args.users, args)
+        # A server that dies mid-run (seen with llama-server, which logs a clean shutdown no
+        # one asked for) gets one fresh start; a second failure is reported, not fatal.
+        for attempt in (1, 2):
+            try:
+                results[name] = measure(launch, name, prompts, args.users, args)
+                break
+            except (httpx.HTTPError, RuntimeError) as exc:
+                print(f"  {name}: attempt {attempt} failed: {exc!r}", flush=True)
+                failed[name] = repr(exc)
+        else:
+            continue
+        failed.pop(name, None)
     if not args.only or "naive transformers" in args.only:
         times = naive_service_times(loaded, prompts[: args.naive_requests], args.output_tokens)
         naive = naive_at(1, times, args.output_tokens)
@@ -219,7 +231,7 @@ def main() -> None:
         "bench_peers",
         {"users": args.users, "seconds_per_point": args.seconds,
          "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
-         "skipped": skipped, "results": results, "markdown": table},
+         "skipped": skipped, "failed": failed, "results": results, "markdown": table},
     )  # fmt: skip
 
     def series(key: str, scale: float = 1.0) -> dict[str, list[float]]:
