@@ -1,6 +1,7 @@
 """Which kernel runs the model's linear layers, by weight mode, numerics and device.
 
-Three ways to run `x @ W.T`, chosen by measurement (`python -m evals.bench_kernels`):
+Three ways to run `x @ W.T`, chosen by timing the kernels PyTorch offers on the CPU at hand
+(`python -m evals.bench_forward` compares them inside the engine):
 - `exact`: `F.linear` on the model's dtype, bit for bit what transformers computes.
 - `packed`: the same float32 weights, reordered once into oneDNN's blocked layout so each call
   skips the repacking `F.linear` does (CPU only). Same maths, another summation order: logits
@@ -27,7 +28,7 @@ NUMERICS_MODES = ("exact", "fast")
 def kernel_for(weights: str, numerics: str, device: torch.device) -> str:
     """`exact`, `packed` or `int8` for the WEIGHTS / NUMERICS settings on `device`.
 
-    WEIGHTS=auto is int8 on CPU, where it measured 4x faster decoding than float32 for a 2-5%
+    WEIGHTS=auto is int8 on CPU, where it measured 3.9x faster decoding than float32 for a 2.7%
     higher perplexity (evals/bench_forward.py, evals/quality.py), and the DTYPE weights elsewhere.
     """
     if weights not in WEIGHT_MODES:
@@ -48,12 +49,12 @@ def kernel_for(weights: str, numerics: str, device: torch.device) -> str:
 
 
 class PackedLinear(nn.Module):
-    """float32 `x @ W.T` through oneDNN with the weight reordered once, at load time."""
+    """`x @ W.T` through oneDNN with the weight (in the model's dtype) reordered once, at load."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous())
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
@@ -85,6 +86,7 @@ class DynamicInt8Linear(nn.Module):
         self.packed = torch.ops.quantized.linear_prepack(quantized, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype, x = x.dtype, x.float()  # fbgemm takes float32 in and out
         row_max = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
         pins = x.new_tensor([1.0, -1.0]).expand(*x.shape[:-1], 2)
         # Full 8-bit activations (reduce_range=False): 7 bits cost 10% perplexity here. CPUs with
@@ -92,7 +94,7 @@ class DynamicInt8Linear(nn.Module):
         out = torch.ops.quantized.linear_dynamic(
             torch.cat([x / row_max, pins], -1), self.packed, False
         )
-        return out.mul_(row_max)
+        return out.mul_(row_max).to(dtype)
 
 
 _KERNELS: dict[str, type[nn.Module]] = {"packed": PackedLinear, "int8": DynamicInt8Linear}
