@@ -51,30 +51,35 @@ function renderLatency(prefix, summary) {
   setText(`${prefix}-n`, fmtInt(summary.count));
 }
 
+function barRow(className, dataset, name, parts, numText) {
+  // One labelled horizontal bar: parts are [css class, fraction of the width] pairs.
+  const row = document.createElement("div");
+  row.className = "bar-row " + className;
+  Object.assign(row.dataset, dataset);
+  const label = document.createElement("span");
+  label.className = "name";
+  label.textContent = name;
+  const stack = document.createElement("div");
+  stack.className = "stack";
+  for (const [cls, fraction] of parts) {
+    const part = document.createElement("span");
+    part.className = cls;
+    part.style.width = 100 * fraction + "%";
+    stack.append(part);
+  }
+  const num = document.createElement("span");
+  num.className = "num";
+  num.textContent = numText;
+  row.append(label, stack, num);
+  return row;
+}
+
 function renderKv(kv) {
-  const container = $("kv-groups");
-  container.replaceChildren(
+  $("kv-groups").replaceChildren(
     ...Object.entries(kv.groups).map(([name, g]) => {
       const total = g.in_use + g.cached_unused + g.free || 1;
-      const row = document.createElement("div");
-      row.className = "bar-row kv-group";
-      row.dataset.group = name;
-      const label = document.createElement("span");
-      label.className = "name";
-      label.textContent = name;
-      const stack = document.createElement("div");
-      stack.className = "stack";
-      for (const [cls, n] of [["in-use", g.in_use], ["cached", g.cached_unused], ["free", g.free]]) {
-        const part = document.createElement("span");
-        part.className = cls;
-        part.style.width = (100 * n) / total + "%";
-        stack.append(part);
-      }
-      const num = document.createElement("span");
-      num.className = "num";
-      num.textContent = `${g.in_use} / ${g.cached_unused} / ${g.free}`;
-      row.append(label, stack, num);
-      return row;
+      const parts = [["in-use", g.in_use / total], ["cached", g.cached_unused / total], ["free", g.free / total]];
+      return barRow("kv-group", { group: name }, name, parts, `${g.in_use} / ${g.cached_unused} / ${g.free}`);
     })
   );
   setText("kv-summary", `${fmtInt(kv.num_total_blocks)} blocks × ${kv.block_size} tokens`);
@@ -172,25 +177,9 @@ function renderProfile(profile) {
   if (!profile.steps) return;
   setText("profile-summary", `${profile.step_ms.toFixed(1)} ms a step, last ${profile.steps} steps`);
   $("step-phases").replaceChildren(
-    ...Object.entries(profile.phases).map(([name, p]) => {
-      const row = document.createElement("div");
-      row.className = "bar-row step-phase";
-      row.dataset.phase = name;
-      const label = document.createElement("span");
-      label.className = "name";
-      label.textContent = name;
-      const stack = document.createElement("div");
-      stack.className = "stack";
-      const part = document.createElement("span");
-      part.className = "in-use";
-      part.style.width = 100 * p.share + "%";
-      stack.append(part);
-      const num = document.createElement("span");
-      num.className = "num";
-      num.textContent = `${p.ms.toFixed(2)} ms · ${fmtPct(p.share)}`;
-      row.append(label, stack, num);
-      return row;
-    })
+    ...Object.entries(profile.phases).map(([name, p]) =>
+      barRow("step-phase", { phase: name }, name, [["in-use", p.share]], `${p.ms.toFixed(2)} ms · ${fmtPct(p.share)}`)
+    )
   );
 }
 
