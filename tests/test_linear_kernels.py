@@ -86,15 +86,18 @@ def test_quantize_model_replaces_every_linear() -> None:
     assert isinstance(make_linear("packed", torch.randn(4, 4)), PackedLinear)
 
 
-def _prefill_logits(model, kernel: str, ids: list[int]) -> torch.Tensor:
+def _driver(model, kernel: str) -> PagedDriver:
     backend = CustomBackend(model.config, model.state_dict, CPU, torch.float32, 4096, kernel)
-    logits, _ = PagedDriver(backend, num_blocks=64, block_size=16).step({0: ids}, all_logits=True)
+    return PagedDriver(backend, num_blocks=64, block_size=16)
+
+
+def _prefill_logits(model, kernel: str, ids: list[int]) -> torch.Tensor:
+    logits, _ = _driver(model, kernel).step({0: ids}, all_logits=True)
     return logits[0].reshape(len(ids), -1)
 
 
 def _greedy(model, kernel: str, prompt: list[int], steps: int) -> list[int]:
-    backend = CustomBackend(model.config, model.state_dict, CPU, torch.float32, 4096, kernel)
-    driver = PagedDriver(backend, num_blocks=64, block_size=16)
+    driver = _driver(model, kernel)
     logits, _ = driver.step({0: prompt})
     tokens = []
     for _ in range(steps):
