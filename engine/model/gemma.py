@@ -97,21 +97,50 @@ class Attention(nn.Module):
                 else None
             )
         self.o_proj = _linear(self.num_heads * spec.head_dim, config.hidden_size)
+        # q, k (and v) as one call, set by fuse_projections() for the approximate kernels.
+        self.qkv_proj: nn.Module | None = None
+        self.qkv_sizes: list[int] = []
+
+    def fuse_projections(self, kernel: str) -> None:
+        """Replace q_proj, k_proj and v_proj by one `kernel` linear over their stacked weights.
+
+        One larger call costs far less than three small ones at decode sizes. Per-channel int8
+        quantizes each stacked row as it would alone, so the result is the same; `exact` keeps
+        transformers' three separate matmuls."""
+        if not self.spec.stores_kv:
+            return
+        names = ["q_proj", "k_proj"] + ([] if self.spec.k_eq_v else ["v_proj"])
+        projections = [getattr(self, name) for name in names]
+        self.qkv_proj = make_linear(kernel, torch.cat([p.weight for p in projections]))
+        self.qkv_sizes = [p.out_features for p in projections]
+        for name in names:
+            delattr(self, name)
+
+    def _project(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """[queries, keys, values] (values absent when k=v; only queries on KV-shared layers)."""
+        if self.qkv_proj is not None:
+            return list(self.qkv_proj(x).split(self.qkv_sizes, dim=-1))
+        if not self.spec.stores_kv:
+            return [self.q_proj(x)]
+        if self.spec.k_eq_v:
+            return [self.q_proj(x), self.k_proj(x)]
+        return [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: PagedAttentionStep
     ) -> torch.Tensor:
         spec = self.spec
         tokens = x.shape[0]
+        projected = self._project(x)
         query = _rotate(
-            self.q_norm(self.q_proj(x).view(tokens, self.num_heads, spec.head_dim)), cos, sin
+            self.q_norm(projected[0].view(tokens, self.num_heads, spec.head_dim)), cos, sin
         )
         if spec.stores_kv:
-            raw_keys = self.k_proj(x).view(tokens, spec.num_kv_heads, spec.head_dim)
+            raw_keys = projected[1].view(tokens, spec.num_kv_heads, spec.head_dim)
             values = (
                 raw_keys
                 if spec.k_eq_v
-                else self.v_proj(x).view(tokens, spec.num_kv_heads, spec.head_dim)
+                else projected[2].view(tokens, spec.num_kv_heads, spec.head_dim)
             )
             keys = _rotate(self.k_norm(raw_keys), cos, sin)
             if self.v_norm is not None:
@@ -133,9 +162,20 @@ class MLP(nn.Module):
         self.gate_proj = _linear(config.hidden_size, intermediate_size)
         self.up_proj = _linear(config.hidden_size, intermediate_size)
         self.down_proj = _linear(intermediate_size, config.hidden_size)
+        self.gate_up_proj: nn.Module | None = None  # set by fuse_projections()
+
+    def fuse_projections(self, kernel: str) -> None:
+        """gate_proj and up_proj as one `kernel` linear (see Attention.fuse_projections)."""
+        weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        self.gate_up_proj = make_linear(kernel, weight)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class DecoderLayer(nn.Module):
@@ -315,6 +355,9 @@ class GemmaForCausalLM(nn.Module):
             )
         model.model.init_buffers()
         if kernel != "exact":
+            for module in list(model.model.modules()):
+                if isinstance(module, Attention | MLP):
+                    module.fuse_projections(kernel)
             quantize_model(model.model, kernel)
             # A tied head keeps its float embedding table for lookups and gets its own copy.
             model.fast_head = make_linear(kernel, model.lm_head_weight)
