@@ -11,7 +11,7 @@ from app.settings import Settings
 from engine.async_engine import AsyncEngine
 from engine.backends import create_backend
 from engine.device import resolve_device, resolve_dtype
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.llm_engine import LLMEngine
 from engine.metrics import ServingMetrics
 from engine.model.linear_kernels import kernel_for
 from engine.model.loader import load_model
@@ -48,17 +48,7 @@ def build_server_state(settings: Settings, created: int) -> ServerState:
         return LLMEngine.for_model(
             loaded,
             create_backend(settings.BACKEND, loaded, device, dtype, kernel),
-            EngineConfig(
-                max_batch_size=settings.MAX_BATCH_SIZE,
-                max_num_batched_tokens=settings.MAX_NUM_BATCHED_TOKENS,
-                max_queue_len=settings.MAX_QUEUE_LEN,
-                block_size=settings.KV_BLOCK_SIZE,
-                max_active_kv_tokens=settings.MAX_ACTIVE_KV_TOKENS,
-                scheduling_policy=settings.SCHEDULING_POLICY,
-                enable_prefix_caching=settings.PREFIX_CACHING,
-                max_inflight_per_tenant=settings.MAX_INFLIGHT_PER_TENANT,
-                max_inflight_per_session=settings.MAX_INFLIGHT_PER_SESSION,
-            ),
+            settings.engine_config(),
         )
 
     async_engine = AsyncEngine(build_engine)

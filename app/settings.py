@@ -9,6 +9,9 @@ from typing import Literal
 import msgspec
 from dotenv import dotenv_values
 
+from engine.llm_engine import EngineConfig
+from engine.sched.scheduler import SchedulerConfig
+
 
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     MODEL_NAME: str = "gemma-3-270m"
@@ -37,6 +40,22 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     LOG_FORMAT: Literal["console", "json"] = "console"
     MAX_BODY_BYTES: int = 1_000_000
     SHUTDOWN_GRACE_S: float = 10.0
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's configuration from these settings (the one place they are mapped)."""
+        return EngineConfig(
+            scheduler=SchedulerConfig(
+                policy=self.SCHEDULING_POLICY,
+                max_num_seqs=self.MAX_BATCH_SIZE,
+                max_num_batched_tokens=self.MAX_NUM_BATCHED_TOKENS,
+                max_queue_len=self.MAX_QUEUE_LEN,
+                max_inflight_per_tenant=self.MAX_INFLIGHT_PER_TENANT,
+                max_inflight_per_session=self.MAX_INFLIGHT_PER_SESSION,
+            ),
+            block_size=self.KV_BLOCK_SIZE,
+            max_active_kv_tokens=self.MAX_ACTIVE_KV_TOKENS,
+            enable_prefix_caching=self.PREFIX_CACHING,
+        )
 
     @property
     def api_keys(self) -> dict[str, str]:

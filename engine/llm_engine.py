@@ -2,7 +2,7 @@
 
 No threads and no asyncio here (see `engine.async_engine` for serving). Each step:
 
-    scheduler.schedule() -> ForwardBatch -> backend.forward() -> sampler -> detokenizers
+    scheduler.schedule() -> runner (ForwardBatch -> model) -> sampler -> detokenizers
     -> scheduler.update()  (advance computed tokens, commit KV blocks, retire finished)
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -18,12 +18,13 @@ from transformers import PreTrainedTokenizerBase
 from engine.backends.base import InferenceBackend
 from engine.detokenizer import IncrementalDetokenizer, check_stop
 from engine.kv.manager import KVCacheManager
+from engine.model.kv_cache import cache_group_specs
 from engine.model.loader import LoadedModel
 from engine.request import FinishReason, Sequence, StepOutput, TokenLogprob
+from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplingRow
 from engine.sched.admission import AddResult
 from engine.sched.scheduler import Scheduler, SchedulerConfig
-from engine.step_inputs import build_forward_batch
 from engine.step_profile import StepProfile
 
 # With no MAX_ACTIVE_KV_TOKENS, the KV cache takes this share of free memory.
@@ -32,15 +33,13 @@ _AUTO_KV_MEMORY_FRACTION = 0.25
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_batch_size: int = 32
-    max_num_batched_tokens: int = 512
-    max_queue_len: int = 256
-    block_size: int = 16
-    max_active_kv_tokens: int | None = None  # None: sized from memory
-    scheduling_policy: str = "vtc"
+    """What an engine is built with; the server makes one from its settings
+    (app.settings.Settings.engine_config) and hands the scheduler its part unchanged."""
+
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    block_size: int = 16  # tokens per KV block (KV_BLOCK_SIZE)
+    max_active_kv_tokens: int | None = None  # KV capacity per cache group; None: from memory
     enable_prefix_caching: bool = True
-    max_inflight_per_tenant: int | None = None
-    max_inflight_per_session: int | None = None
 
 
 class LLMEngine:
@@ -59,21 +58,11 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = backend.max_model_len
         num_blocks = _num_kv_blocks(backend, config)
-        backend.allocate_kv_cache(num_blocks, config.block_size)
+        self.runner = ModelRunner(backend, num_blocks, config.block_size)
         self.kv = KVCacheManager(
-            backend.cache_groups(), num_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.cache_groups, num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                policy=config.scheduling_policy,
-                max_num_seqs=config.max_batch_size,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_queue_len=config.max_queue_len,
-                max_inflight_per_tenant=config.max_inflight_per_tenant,
-                max_inflight_per_session=config.max_inflight_per_session,
-            ),
-            self.kv,
-        )
+        self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(self.eos_token_ids)
         self.profile = StepProfile()  # where each step's time goes (the async engine adds deliver)
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
@@ -125,14 +114,11 @@ class LLMEngine:
             profile.cancel_step()
             return []
         with profile.phase("batch"):
-            copies = self.kv.take_block_copies()
-            if copies:
-                self.backend.copy_blocks(copies)
-            batch = build_forward_batch(plan.scheduled, self.kv)
+            batch = self.runner.prepare(plan.scheduled, self.kv)
         with profile.phase("forward"):
-            result = self.backend.forward(batch)
+            result = self.runner.forward(batch)
             if result.attention_mass is not None:
-                self._record_attention(plan.scheduled, batch, result.attention_mass)
+                self.runner.record_attention(plan.scheduled, batch, result.attention_mass, self.kv)
 
         sampling = [item.seq for item in plan.scheduled if item.samples]
         outputs: list[tuple[Sequence, StepOutput]] = []
@@ -181,25 +167,18 @@ class LLMEngine:
             ),
         )
 
-    def _record_attention(self, scheduled, batch, masses: list[torch.Tensor]) -> None:
-        group = self.kv.primary
-        key_slots = batch.groups[group].key_slots
-        key_valid = batch.groups[group].key_valid
-        for row, (item, mass) in enumerate(zip(scheduled, masses, strict=True)):
-            if self.kv.wants_attention(item.seq):
-                self.kv.record_attention(item.seq, mass, key_slots[row][key_valid[row]])
-
 
 def _num_kv_blocks(backend: InferenceBackend, config: EngineConfig) -> int:
     """Blocks per cache group: MAX_ACTIVE_KV_TOKENS, or a share of free memory."""
     tokens = config.max_active_kv_tokens
     if tokens is None:
-        bytes_per_token = sum(group.bytes_per_token for group in backend.cache_groups())
+        groups = cache_group_specs(backend.arch, backend.dtype)
+        bytes_per_token = sum(group.bytes_per_token for group in groups)
         tokens = int(_free_memory_bytes(backend.device) * _AUTO_KV_MEMORY_FRACTION) // max(
             bytes_per_token, 1
         )
         # More than every sequence at full length is never needed.
-        tokens = min(tokens, backend.max_model_len * config.max_batch_size)
+        tokens = min(tokens, backend.max_model_len * config.scheduler.max_num_seqs)
     return max(1, -(-tokens // config.block_size))
 
 

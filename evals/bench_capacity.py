@@ -17,6 +17,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model.loader import load_model
 from engine.request import Sequence
 from engine.sampling import SamplingParams
+from engine.sched.scheduler import SchedulerConfig
 from evals.harness import token_prompt, write_results
 from evals.plots import bar_chart
 
@@ -37,7 +38,7 @@ def main() -> None:
         loaded,
         create_backend("custom", loaded, torch.device("cpu"), torch.float32),
         EngineConfig(
-            max_batch_size=args.requests, max_num_batched_tokens=2048,
+            scheduler=SchedulerConfig(max_num_seqs=args.requests, max_num_batched_tokens=2048),
             max_active_kv_tokens=args.kv_tokens, enable_prefix_caching=False,
         ),
     )  # fmt: skip

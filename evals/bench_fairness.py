@@ -17,6 +17,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model.loader import load_model
 from engine.request import Sequence
 from engine.sampling import SamplingParams
+from engine.sched.scheduler import SchedulerConfig
 from evals.harness import token_prompt, write_results
 from evals.plots import line_chart
 
@@ -26,8 +27,11 @@ def run(policy: str, loaded, backend, args) -> dict:
         loaded,
         backend,
         EngineConfig(
-            max_batch_size=args.batch, max_num_batched_tokens=256, max_queue_len=1024,
-            max_active_kv_tokens=16384, scheduling_policy=policy, enable_prefix_caching=False,
+            scheduler=SchedulerConfig(
+                policy=policy, max_num_seqs=args.batch, max_num_batched_tokens=256,
+                max_queue_len=1024,
+            ),
+            max_active_kv_tokens=16384, enable_prefix_caching=False,
         ),
     )  # fmt: skip
     rng = random.Random(4)

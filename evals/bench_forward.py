@@ -21,6 +21,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model.loader import load_model
 from engine.request import Sequence
 from engine.sampling import SamplingParams
+from engine.sched.scheduler import SchedulerConfig
 from evals.harness import hf_reference_model, time_generate, token_prompt, write_results
 from evals.plots import bar_chart
 
@@ -34,7 +35,8 @@ def engine_speed(
         loaded,
         backend,
         EngineConfig(
-            max_batch_size=1, max_num_batched_tokens=longest, enable_prefix_caching=False,
+            scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=longest),
+            enable_prefix_caching=False,
             max_active_kv_tokens=longest + decode_tokens + 64,
         ),
     )  # fmt: skip

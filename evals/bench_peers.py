@@ -138,12 +138,14 @@ def engines(max_users: int) -> dict[str, Launcher | None]:
 def measure(launch: Launcher, name: str, prompts, users: list[int], args) -> dict[int, dict]:
     slug = name.lower().replace(" ", "_").replace(".", "")
     rows = {}
+    # llama-server closes the connection after every streamed response (see closed_loop).
+    keep_alive = not name.startswith("llama.cpp")
     with launch(RESULTS / f"bench_peers.{slug}.log") as base:
-        asyncio.run(closed_loop(base, prompts[:2], 2, 8))  # warm-up
+        asyncio.run(closed_loop(base, prompts[:2], 2, 8, keep_alive=keep_alive))  # warm-up
         offset = 2
         for n in users:
             timings, elapsed = asyncio.run(
-                closed_loop(base, prompts[offset:], n, args.output_tokens, args.seconds)
+                closed_loop(base, prompts[offset:], n, args.output_tokens, args.seconds, keep_alive)
             )
             offset += len(timings)
             rows[n] = summarize(timings, elapsed)
@@ -197,8 +199,8 @@ def main() -> None:
             print(f"{name}: not installed (make peers), skipped")
             continue
         print(f"{name}:", flush=True)
-        # A server that dies mid-run (seen with llama-server, which logs a clean shutdown no
-        # one asked for) gets one fresh start; a second failure is reported, not fatal.
+        # A server that fails mid-run gets one fresh start; a second failure is reported, not
+        # fatal.
         for attempt in (1, 2):
             try:
                 results[name] = measure(launch, name, prompts, args.users, args)

@@ -76,10 +76,8 @@ def running_process(
     (its whole process group) on exit."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
-        # stdin stays an open pipe until the server is stopped: llama.cpp's server shuts down
-        # when it reads EOF there, which a closed or /dev/null stdin gives at once.
         process = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=log,
+            command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
             stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         try:
@@ -188,18 +186,25 @@ async def closed_loop(
     concurrency: int,
     max_tokens: int,
     seconds: float | None = None,
+    keep_alive: bool = True,
 ) -> tuple[list[RequestTiming], float]:
     """`concurrency` users, each sending its next prompt as soon as the last one finished.
 
     Without `seconds`, every prompt is sent once. With it, users stop starting requests after
     `seconds` (prompts are taken in order and must not run out); elapsed time runs to the last
     completion, so the requests in flight at the deadline count in full.
+
+    `keep_alive=False` opens a fresh connection per request, for servers that close theirs
+    after each streamed response while advertising keep-alive (llama.cpp's llama-server): a
+    request sent on such a connection before its FIN arrives fails with "Server disconnected".
     """
     queue: asyncio.Queue = asyncio.Queue()
     for prompt in prompts:
         queue.put_nowait(prompt)
     timings: list[RequestTiming] = []
-    limits = httpx.Limits(max_connections=concurrency + 4)
+    limits = httpx.Limits(
+        max_connections=concurrency + 4, max_keepalive_connections=None if keep_alive else 0
+    )
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         start = time.perf_counter()
         deadline = start + seconds if seconds is not None else float("inf")

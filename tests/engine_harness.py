@@ -23,7 +23,9 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model.batch import ForwardBatch
 from engine.model.loader import LoadedModel
 from engine.request import Sequence, StepOutput
+from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
+from engine.sched.scheduler import SchedulerConfig
 
 # Short prompts of different lengths (6 to 25 tokens with BOS).
 PROMPTS = [
@@ -96,7 +98,7 @@ def greedy_alone(loaded: LoadedModel, prompt: list[int], max_tokens: int) -> lis
             loaded,
             role="reference",
             max_active_kv_tokens=len(prompt) + max_tokens + 64,
-            max_num_batched_tokens=max(512, len(prompt)),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max(512, len(prompt))),
             enable_prefix_caching=False,
         )
         seq = Sequence(list(prompt), greedy(max_tokens))
@@ -108,17 +110,17 @@ def greedy_alone(loaded: LoadedModel, prompt: list[int], max_tokens: int) -> lis
 
 
 @contextlib.contextmanager
-def recorded_forwards(backend: InferenceBackend) -> Iterator[list[ForwardBatch]]:
-    """Every ForwardBatch the backend runs inside the block (the real forward still runs)."""
+def recorded_forwards(runner: ModelRunner) -> Iterator[list[ForwardBatch]]:
+    """Every ForwardBatch the runner runs inside the block (the real forward still runs)."""
     batches: list[ForwardBatch] = []
-    forward = backend.forward
+    forward = runner.forward
 
     def recording(batch: ForwardBatch):
         batches.append(batch)
         return forward(batch)
 
-    backend.forward = recording
+    runner.forward = recording  # type: ignore[method-assign]
     try:
         yield batches
     finally:
-        del backend.forward  # back to the class's method
+        del runner.forward  # back to the class's method

@@ -11,10 +11,11 @@ from transformers import DynamicCache, Gemma3ForCausalLM, Gemma4ForCausalLM, Gem
 from transformers.initialization import no_init_weights
 
 from engine.model.batch import ForwardBatch, GroupAttention
+from engine.runner import ModelRunner
 
 
 class PagedDriver:
-    """A minimal block allocator plus ForwardBatch builder for one backend.
+    """A minimal block allocator plus ForwardBatch builder for one backend (run by a ModelRunner).
 
     Each sequence gets blocks per cache group; slot = block * block_size + offset. With
     `shuffle_blocks`, blocks come from a shuffled free list, so a sequence's keys are scattered
@@ -27,8 +28,8 @@ class PagedDriver:
     ):
         self.backend = backend
         self.block_size = block_size
-        self.groups = {spec.name: spec.sliding_window for spec in backend.cache_groups()}
-        backend.allocate_kv_cache(num_blocks, block_size)
+        self.runner = ModelRunner(backend, num_blocks, block_size)
+        self.groups = {spec.name: spec.sliding_window for spec in self.runner.cache_groups}
         free = list(range(num_blocks))
         if shuffle_blocks is not None:
             random.Random(shuffle_blocks).shuffle(free)
@@ -91,7 +92,7 @@ class PagedDriver:
             logits_indices=torch.tensor(logits_rows),
             collect_attention=collect_attention,
         )
-        out = self.backend.forward(batch)
+        out = self.runner.forward(batch)
         result, row = {}, 0
         for seq, count in owners:
             result[seq] = out.logits[row : row + count]

@@ -12,6 +12,7 @@ import pytest
 
 from engine.async_engine import AsyncEngine, EngineOverloaded, RequestTooLarge
 from engine.request import FinishReason, Sequence
+from engine.sched.scheduler import SchedulerConfig
 from tests.engine_harness import (
     PROMPTS,
     encode,
@@ -57,7 +58,11 @@ def test_chunked_prefill_matches_one_chunk_and_never_stalls_decodes(loaded, prom
     long_alone = greedy_alone(loaded, long, 6)  # prefilled in one 600-token step
     short_alone = greedy_alone(loaded, prompts[0], 16)
     budget = 128
-    engine = new_engine(loaded, max_active_kv_tokens=2048, max_num_batched_tokens=budget)
+    engine = new_engine(
+        loaded,
+        max_active_kv_tokens=2048,
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget),
+    )
     short = Sequence(prompts[0], greedy(16))
     long_seq = Sequence(long, greedy(6))
     assert engine.add(short).accepted
@@ -83,15 +88,19 @@ def test_chunked_prefill_matches_one_chunk_and_never_stalls_decodes(loaded, prom
 
 def test_repeated_long_prompt_reuses_the_cached_prefix(loaded):
     prompt = long_prompt(loaded, 1000, topic="double")
-    engine = new_engine(loaded, max_active_kv_tokens=4096, max_num_batched_tokens=2048)
+    engine = new_engine(
+        loaded,
+        max_active_kv_tokens=4096,
+        scheduler=SchedulerConfig(max_num_batched_tokens=2048),
+    )
     first, second = Sequence(prompt, greedy(4)), Sequence(prompt, greedy(4))
-    with recorded_forwards(engine.backend) as batches:
+    with recorded_forwards(engine.runner) as batches:
         run(engine, [first])
     assert first.num_cached_prompt_tokens == 0
     assert [b.input_ids.numel() for b in batches] == [1000, 1, 1, 1]
 
     hits_before = engine.kv.stats()["prefix_cache"]["hit_tokens"]
-    with recorded_forwards(engine.backend) as batches:
+    with recorded_forwards(engine.runner) as batches:
         steps = run(engine, [second])
     cached = second.num_cached_prompt_tokens
     assert cached >= 992
@@ -126,11 +135,13 @@ def test_preemption_under_a_tiny_kv_budget_keeps_outputs_and_frees_everything(lo
 def test_abort_mid_prefill_mid_decode_and_waiting_frees_every_block(loaded, prompts):
     short_alone = greedy_alone(loaded, prompts[0], 4)
     engine = new_engine(
-        loaded, max_active_kv_tokens=1024, max_num_batched_tokens=64, max_batch_size=2
+        loaded,
+        max_active_kv_tokens=1024,
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=2),
     )
     decoding = Sequence(prompts[0], greedy(32))
     prefilling = Sequence(long_prompt(loaded, 300), greedy(4))
-    waiting = Sequence(prompts[1], greedy(4))  # max_batch_size=2 keeps it queued
+    waiting = Sequence(prompts[1], greedy(4))  # max_num_seqs=2 keeps it queued
     assert engine.add(decoding).accepted
     engine.step()
     assert engine.add(prefilling).accepted
@@ -203,7 +214,9 @@ async def test_async_engine_streams_concurrent_requests_and_frees_an_abandoned_o
 
 
 async def test_async_engine_refuses_when_the_queue_is_full(loaded, prompts):
-    engine = new_engine(loaded, max_active_kv_tokens=256, max_queue_len=1)
+    engine = new_engine(
+        loaded, max_active_kv_tokens=256, scheduler=SchedulerConfig(max_queue_len=1)
+    )
     server = AsyncEngine(lambda: engine)
     server.start()
     try:

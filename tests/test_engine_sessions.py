@@ -47,7 +47,7 @@ def test_next_turn_prefills_only_the_new_text(loaded):
     )
     turn2 = Sequence(history + new_text.input_ids, greedy(8), session_id="chat")
 
-    with recorded_forwards(engine.backend) as batches:
+    with recorded_forwards(engine.runner) as batches:
         steps = run(engine, [turn2])
     # Turn 1 computed every token but its last sampled one; its full blocks are reused.
     expected = (len(history) - 1) // BLOCK * BLOCK

@@ -19,6 +19,7 @@ from engine.backends.custom import CustomBackend
 from engine.backends.hf import HFBackend
 from engine.model.architecture import architecture_from_config
 from engine.model.linear_kernels import make_linear, quantize_model
+from engine.runner import ModelRunner
 from tests.forward_contract import (  # noqa: F401  (shared tests, collected in this module too)
     prompt,
     test_hf_backend_matches_custom_on_a_mixed_batch,
@@ -181,10 +182,10 @@ def test_fused_projections_compute_what_separate_ones_do(setup, kernel):
 def test_kv_shared_layers_store_nothing(setup):
     _, config, _, weights = setup
     backend = CustomBackend(config, weights, CPU, torch.float32, 256)
-    backend.allocate_kv_cache(8, 4)
-    stored = sorted(backend.kv_cache.keys)
+    runner = ModelRunner(backend, 8, 4)
+    stored = sorted(runner.kv_cache.keys)
     assert stored == [spec.index for spec in backend.arch.layers if spec.stores_kv]
-    assert sum(len(group.layer_ids) for group in backend.cache_groups()) == len(stored)
+    assert sum(len(group.layer_ids) for group in runner.cache_groups) == len(stored)
 
 
 def test_mixture_of_experts_is_rejected_by_name():

@@ -15,6 +15,7 @@ from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4TextConfig
 from engine.backends.custom import CustomBackend
 from engine.model.batch import ForwardBatch, GroupAttention
 from engine.model.loader import ModelLoadError, embedded_checkpoint_dir, load_model
+from engine.runner import ModelRunner
 from tests.paged_driver import hf_model
 
 S, F = "sliding_attention", "full_attention"
@@ -61,7 +62,7 @@ def test_gemma4_text_checkpoint_directory(tmp_path, reference):
     backend = CustomBackend(
         loaded.config, loaded.state_dict, torch.device("cpu"), torch.float32, 128
     )
-    backend.allocate_kv_cache(num_blocks=4, block_size=4)
+    runner = ModelRunner(backend, num_blocks=4, block_size=4)
     tokens = [5, 17, 3, 88, 41, 9]
     slots = torch.arange(len(tokens))
     group = GroupAttention(
@@ -69,12 +70,12 @@ def test_gemma4_text_checkpoint_directory(tmp_path, reference):
     )
     batch = ForwardBatch(
         input_ids=torch.tensor(tokens), positions=slots, query_start=[0, len(tokens)],
-        groups={g.name: group for g in backend.cache_groups()},
+        groups={g.name: group for g in runner.cache_groups},
         logits_indices=torch.tensor([len(tokens) - 1]),
     )  # fmt: skip
     with torch.no_grad():
         theirs = reference(torch.tensor([tokens]), logits_to_keep=torch.tensor([len(tokens) - 1]))
-    assert torch.equal(backend.forward(batch).logits[0], theirs.logits[0, -1].float())
+    assert torch.equal(runner.forward(batch).logits[0], theirs.logits[0, -1].float())
 
 
 def test_text_tower_of_a_multimodal_checkpoint(tmp_path, reference):

@@ -12,7 +12,7 @@ from engine.offline import LLM
 from engine.request import FinishReason, Sequence
 from engine.sampling import InvalidRequestError, SamplingParams
 from engine.sched.output import ScheduledSeq
-from engine.step_inputs import build_forward_batch
+from engine.sched.scheduler import SchedulerConfig
 from tests.engine_harness import one_torch_thread  # noqa: F401 (a fixture)
 from tests.kv_invariants import assert_all_released
 
@@ -26,7 +26,9 @@ def llm(embedded_model) -> LLM:
     return LLM(
         embedded_model,
         device="cpu",
-        config=EngineConfig(max_active_kv_tokens=KV_TOKENS, max_queue_len=2),
+        config=EngineConfig(
+            max_active_kv_tokens=KV_TOKENS, scheduler=SchedulerConfig(max_queue_len=2)
+        ),
     )
 
 
@@ -139,9 +141,10 @@ def _prefill_logits(llm: LLM, token_ids: list[int], first_row: int) -> torch.Ten
     kv = llm.engine.kv
     assert kv.allocate(seq, len(token_ids))
     try:
-        batch = build_forward_batch([ScheduledSeq(seq, 0, len(token_ids), True)], kv)
+        runner = llm.engine.runner
+        batch = runner.prepare([ScheduledSeq(seq, 0, len(token_ids), True)], kv)
         batch.logits_indices = torch.arange(first_row, len(token_ids))
-        return llm.engine.backend.forward(batch).logits
+        return runner.forward(batch).logits
     finally:
         kv.free(seq)
 

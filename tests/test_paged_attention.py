@@ -18,6 +18,7 @@ from engine.model.architecture import architecture_from_config
 from engine.model.batch import ForwardBatch, GroupAttention
 from engine.model.kv_cache import PagedKVCache, cache_group_specs
 from engine.model.paged_attention import PagedAttentionStep
+from engine.runner import ModelRunner
 from tests.paged_driver import PagedDriver, hf_model
 
 CPU = torch.device("cpu")
@@ -282,14 +283,14 @@ def test_copy_blocks_applies_copies_in_order_to_one_group():
         layer_types=["sliding_attention", "full_attention"],
     )
     backend = CustomBackend(config, hf_model(config, seed=0).state_dict(), CPU, torch.float32, 64)
-    backend.allocate_kv_cache(num_blocks=4, block_size=2)
-    cache = backend.kv_cache
+    runner = ModelRunner(backend, num_blocks=4, block_size=2)
+    cache = runner.kv_cache
     for pool in [*cache.keys.values(), *cache.values.values()]:
         pool.normal_()
     before = {
         layer: (cache.keys[layer].clone(), cache.values[layer].clone()) for layer in cache.keys
     }
-    backend.copy_blocks([BlockCopy("full", 1, 3), BlockCopy("full", 3, 0)])
+    runner.copy_blocks([BlockCopy("full", 1, 3), BlockCopy("full", 3, 0)])
     keys, values = cache.keys[1], cache.values[1]
     for pool, old in ((keys, before[1][0]), (values, before[1][1])):
         assert torch.equal(pool[6:8], old[2:4]) and torch.equal(pool[0:2], old[2:4])
@@ -310,7 +311,7 @@ def test_a_step_without_wanted_logits(backend_class):
         layer_types=["full_attention"],
     )
     backend = backend_class(config, hf_model(config, seed=0).state_dict(), CPU, torch.float32, 64)
-    backend.allocate_kv_cache(num_blocks=4, block_size=4)
+    runner = ModelRunner(backend, num_blocks=4, block_size=4)
     group = group_attention([0, 1, 2], [[(0, 0), (1, 1), (2, 2)]], width=3)
     batch = ForwardBatch(
         input_ids=torch.tensor([3, 4, 5]),
@@ -319,4 +320,4 @@ def test_a_step_without_wanted_logits(backend_class):
         groups={"full": group},
         logits_indices=torch.tensor([], dtype=torch.long),
     )
-    assert backend.forward(batch).logits.shape == (0, 40)
+    assert runner.forward(batch).logits.shape == (0, 40)

@@ -1,20 +1,21 @@
 """The contract between the engine and whatever runs the model.
 
-The engine owns scheduling and block bookkeeping; a backend owns the weights and the physical
-KV storage, and turns one ForwardBatch into next-token logits.
+The engine owns scheduling and block bookkeeping, the model runner (engine.runner) the physical
+KV cache and the step's tensors; a backend owns the weights and computes one step's logits,
+writing and reading K/V through the PagedAttentionStep it is given.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model.batch import ForwardBatch
-
 if TYPE_CHECKING:
-    from engine.kv.manager import BlockCopy
+    from engine.model.architecture import GemmaArchitecture
+    from engine.model.paged_attention import PagedAttentionStep
 
 
 @dataclass(frozen=True)
@@ -27,33 +28,25 @@ class CacheGroupSpec:
     bytes_per_token: int  # K and V of one token across this group's layers, at the cache dtype
 
 
-@dataclass
-class ForwardOutput:
-    logits: torch.Tensor  # [N, vocab] float32, rows in the order of batch.logits_indices
-    # With batch.collect_attention: per sequence, the attention mass each of its keys in the
-    # "full" group received in this step, summed over layers and heads ([K_i] float32, in the
-    # order of that group's key_slots row, padding dropped).
-    attention_mass: list[torch.Tensor] | None = None
+class InferenceBackend(ABC):
+    """A loaded model on `device` in `dtype` (`custom`: ours; `hf`: transformers')."""
 
+    def __init__(
+        self, arch: GemmaArchitecture, device: torch.device, dtype: torch.dtype, max_model_len: int
+    ) -> None:
+        self.arch = arch
+        self.device = device
+        self.dtype = dtype
+        self.vocab_size = int(arch.config.vocab_size)
+        self.max_model_len = max_model_len
 
-class InferenceBackend(Protocol):
-    device: torch.device
-    dtype: torch.dtype
-    vocab_size: int
-    max_model_len: int
-
-    def cache_groups(self) -> list[CacheGroupSpec]:
-        """The KV cache groups this model needs (empty groups are omitted)."""
-        ...
-
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Preallocate num_blocks blocks of block_size tokens for every group."""
-        ...
-
-    def copy_blocks(self, copies: list[BlockCopy]) -> None:
-        """Copy-on-write: duplicate each (group, src, dst) block before the next forward."""
-        ...
-
-    def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        """Write the batch's new K/V into the cache, attend, return the wanted logits."""
-        ...
+    @abstractmethod
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        step: PagedAttentionStep,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits [N, vocab] float32 of the flattened batch's rows `logits_indices` ([T] ids and
+        positions, on the device); each layer writes and reads K/V through `step`."""

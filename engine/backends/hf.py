@@ -25,10 +25,8 @@ from transformers import AttentionInterface, Gemma3ForCausalLM, Gemma4ForCausalL
 from transformers.initialization import no_init_weights
 from transformers.masking_utils import AttentionMaskInterface
 
-from engine.backends.base import ForwardOutput
-from engine.backends.paged import PagedCacheBackend
+from engine.backends.base import InferenceBackend
 from engine.model.architecture import GemmaTextConfig, architecture_from_config
-from engine.model.batch import ForwardBatch
 from engine.model.linear_kernels import quantize_model
 from engine.model.paged_attention import PagedAttentionStep
 
@@ -69,7 +67,7 @@ AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
 AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
 
 
-class HFBackend(PagedCacheBackend):
+class HFBackend(InferenceBackend):
     def __init__(
         self,
         config: GemmaTextConfig,
@@ -113,15 +111,19 @@ class HFBackend(PagedCacheBackend):
             if not spec.stores_kv
         )
 
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        step = self._attention_step(batch)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        step: PagedAttentionStep,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
         out = self.model(
-            input_ids=batch.input_ids.to(self.device)[None],
-            position_ids=batch.positions.to(self.device)[None],
+            input_ids=input_ids[None],
+            position_ids=positions[None],
             use_cache=False,
-            logits_to_keep=batch.logits_indices.to(self.device, torch.long),
+            logits_to_keep=logits_indices,
             paged_step=step,
             kv_sources=self.kv_sources,
         )
-        return ForwardOutput(logits=out.logits[0].float(), attention_mass=step.attention_mass())
+        return out.logits[0].float()

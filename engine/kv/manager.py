@@ -5,7 +5,7 @@ Lifecycle of a sequence, as driven by the scheduler and the engine:
 
     cached = kv.match_prefix(seq)          # first scheduling (also after preemption)
     ok = kv.allocate(seq, num_new_tokens)  # before every step that computes tokens of seq
-    ... copies = kv.take_block_copies()    # engine -> backend, before the forward
+    ... copies = kv.take_block_copies()    # engine -> runner, before the forward
     ... forward; engine advances seq.num_computed_tokens (and appends the sampled token)
     kv.record_attention(seq, mass, slots)  # only for sequences with kv.wants_attention(seq)
     kv.commit(seq)                         # after each step that advanced seq

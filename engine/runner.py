@@ -1,0 +1,128 @@
+"""The model runner: one scheduled step in, logits out.
+
+Everything between the scheduler and the model's layers lives here: it owns the physical paged
+KV cache, applies the KV manager's copy-on-write copies, flattens the scheduled chunks into one
+ForwardBatch, builds the per-step attention state every layer shares (PagedAttentionStep),
+moves the inputs to the device, runs the backend's model, and hands the attention mass an
+eviction policy asked for back to the KV manager.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.backends.base import InferenceBackend
+from engine.kv.manager import BlockCopy, KVCacheManager
+from engine.model.batch import ForwardBatch, GroupAttention
+from engine.model.kv_cache import PagedKVCache, cache_group_specs
+from engine.model.paged_attention import PagedAttentionStep
+from engine.sched.output import ScheduledSeq
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [N, vocab] float32, rows in the order of batch.logits_indices
+    # With batch.collect_attention: per sequence, the attention mass each of its keys in the
+    # "full" group received in this step, summed over layers and heads ([K_i] float32, in the
+    # order of that group's key_slots row, padding dropped).
+    attention_mass: list[torch.Tensor] | None = None
+
+
+class ModelRunner:
+    """Runs `backend`'s model over a KV cache of `num_blocks` blocks of `block_size` tokens per
+    cache group (the KV manager hands out the same block ids)."""
+
+    def __init__(self, backend: InferenceBackend, num_blocks: int, block_size: int) -> None:
+        self.backend = backend
+        self.device, self.dtype = backend.device, backend.dtype
+        self.cache_groups = cache_group_specs(backend.arch, backend.dtype)
+        self.windows = {group.name: group.sliding_window for group in self.cache_groups}
+        self.kv_cache = PagedKVCache(backend.arch, num_blocks, block_size, self.device, self.dtype)
+
+    def prepare(self, scheduled: list[ScheduledSeq], kv: KVCacheManager) -> ForwardBatch:
+        """Apply the KV manager's pending block copies (before any K/V of this step is written),
+        then flatten the scheduled chunks into one batch."""
+        self.copy_blocks(kv.take_block_copies())
+        return build_forward_batch(scheduled, kv)
+
+    def copy_blocks(self, copies: list[BlockCopy]) -> None:
+        """Copy-on-write: duplicate each (group, src, dst) block, in list order."""
+        for copy in copies:
+            self.kv_cache.copy_block(copy.group, copy.src, copy.dst)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """Write the batch's new K/V into the cache, attend, return the wanted logits."""
+        step = PagedAttentionStep(batch, self.kv_cache, self.windows, self.device, self.dtype)
+        logits = self.backend.forward(
+            batch.input_ids.to(self.device),
+            batch.positions.to(self.device),
+            step,
+            batch.logits_indices.to(self.device, torch.long),
+        )
+        return ForwardOutput(logits=logits, attention_mass=step.attention_mass())
+
+    @staticmethod
+    def record_attention(
+        scheduled: list[ScheduledSeq],
+        batch: ForwardBatch,
+        masses: list[torch.Tensor],
+        kv: KVCacheManager,
+    ) -> None:
+        """Give each sequence whose eviction policy scores keys (h2o) the mass they received."""
+        group = batch.groups[kv.primary]
+        for row, (item, mass) in enumerate(zip(scheduled, masses, strict=True)):
+            if kv.wants_attention(item.seq):
+                kv.record_attention(item.seq, mass, group.key_slots[row][group.key_valid[row]])
+
+
+def build_forward_batch(scheduled: list[ScheduledSeq], kv: KVCacheManager) -> ForwardBatch:
+    """Flatten the scheduled chunks into one batch; logits are wanted only for sequences whose
+    chunk reaches their last token (those sample this step). Built on the CPU; the runner moves
+    what the model needs to its device."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    query_start = [0]
+    logits_indices: list[int] = []
+    slot_rows: dict[str, list[int]] = {group: [] for group in kv.pools}
+    key_rows: dict[str, list[tuple[list[int], list[int]]]] = {group: [] for group in kv.pools}
+    collect_attention = False
+    for item in scheduled:
+        seq, start, count = item.seq, item.start, item.num_new_tokens
+        input_ids.extend(seq.token_ids[start : start + count])
+        positions.extend(range(start, start + count))
+        query_start.append(query_start[-1] + count)
+        if item.samples:
+            logits_indices.append(query_start[-1] - 1)
+        for group, slots in kv.slots_for_new_tokens(seq, count).items():
+            slot_rows[group].extend(slots)
+        for group, keys in kv.key_slots_and_positions(seq, count).items():
+            key_rows[group].append(keys)
+        collect_attention = collect_attention or kv.wants_attention(seq)
+    return ForwardBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.long),
+        positions=torch.tensor(positions, dtype=torch.long),
+        query_start=query_start,
+        groups={group: _group_attention(slot_rows[group], key_rows[group]) for group in kv.pools},
+        logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+        collect_attention=collect_attention,
+    )
+
+
+def _group_attention(
+    slot_mapping: list[int], keys: list[tuple[list[int], list[int]]]
+) -> GroupAttention:
+    width = max((len(slots) for slots, _ in keys), default=0)
+    key_slots = torch.zeros(len(keys), width, dtype=torch.long)
+    key_positions = torch.full((len(keys), width), -1, dtype=torch.long)
+    for row, (slots, row_positions) in enumerate(keys):
+        key_slots[row, : len(slots)] = torch.tensor(slots, dtype=torch.long)
+        key_positions[row, : len(slots)] = torch.tensor(row_positions, dtype=torch.long)
+    return GroupAttention(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
+        key_slots=key_slots,
+        key_positions=key_positions,
+        key_valid=key_positions >= 0,
+    )
