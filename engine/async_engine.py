@@ -262,7 +262,8 @@ class AsyncEngine:
                 del self._tracked[seq.request_id]
                 self._record_finish(tracked, out.finish_reason or FinishReason.STOP)
         self.metrics.record_generated(generated)
-        self.metrics.update_gauges(self.gauges())
+        # Gauges (running, KV use, per-tenant counters) are read when /metrics is scraped, not
+        # recomputed over every tenant each step.
 
     def _record_finish(self, tracked: _Tracked, reason: FinishReason) -> None:
         now = time.monotonic()

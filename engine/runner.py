@@ -86,43 +86,62 @@ def build_forward_batch(scheduled: list[ScheduledSeq], kv: KVCacheManager) -> Fo
     positions: list[int] = []
     query_start = [0]
     logits_indices: list[int] = []
+    ends: list[int] = []  # per sequence: its tokens after this step
     slot_rows: dict[str, list[int]] = {group: [] for group in kv.pools}
-    key_rows: dict[str, list[tuple[list[int], list[int]]]] = {group: [] for group in kv.pools}
+    held_blocks: dict[str, list[list[tuple[int, int]]]] = {group: [] for group in kv.pools}
     collect_attention = False
     for item in scheduled:
         seq, start, count = item.seq, item.start, item.num_new_tokens
         input_ids.extend(seq.token_ids[start : start + count])
         positions.extend(range(start, start + count))
         query_start.append(query_start[-1] + count)
+        ends.append(start + count)
         if item.samples:
             logits_indices.append(query_start[-1] - 1)
         for group, slots in kv.slots_for_new_tokens(seq, count).items():
             slot_rows[group].extend(slots)
-        for group, keys in kv.key_slots_and_positions(seq, count).items():
-            key_rows[group].append(keys)
+        for group, blocks in kv.layout(seq).items():
+            held_blocks[group].append(blocks)
         collect_attention = collect_attention or kv.wants_attention(seq)
     return ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long),
         positions=torch.tensor(positions, dtype=torch.long),
         query_start=query_start,
-        groups={group: _group_attention(slot_rows[group], key_rows[group]) for group in kv.pools},
+        groups={
+            group: _group_attention(slot_rows[group], held_blocks[group], ends, kv.block_size)
+            for group in kv.pools
+        },
         logits_indices=torch.tensor(logits_indices, dtype=torch.long),
         collect_attention=collect_attention,
     )
 
 
 def _group_attention(
-    slot_mapping: list[int], keys: list[tuple[list[int], list[int]]]
+    slot_mapping: list[int], held: list[list[tuple[int, int]]], ends: list[int], block_size: int
 ) -> GroupAttention:
-    width = max((len(slots) for slots, _ in keys), default=0)
-    key_slots = torch.zeros(len(keys), width, dtype=torch.long)
-    key_positions = torch.full((len(keys), width), -1, dtype=torch.long)
-    for row, (slots, row_positions) in enumerate(keys):
-        key_slots[row, : len(slots)] = torch.tensor(slots, dtype=torch.long)
-        key_positions[row, : len(slots)] = torch.tensor(row_positions, dtype=torch.long)
+    """Key addressing from each sequence's held blocks ((block id, logical index) pairs): the
+    tables are expanded to slots and positions with tensor ops, so the Python work per step
+    grows with blocks, not tokens. A row's keys are its held blocks' slots in logical order;
+    the columns past its last token (the unfilled tail of the last block, and padding up to
+    the longest row) are invalid."""
+    width = max((len(blocks) for blocks in held), default=0)
+    block_ids = torch.tensor(
+        [[block for block, _ in blocks] + [0] * (width - len(blocks)) for blocks in held],
+        dtype=torch.long,
+    ).view(len(held), width)
+    logical = torch.tensor(
+        [[index for _, index in blocks] + [-1] * (width - len(blocks)) for blocks in held],
+        dtype=torch.long,
+    ).view(len(held), width)
+    offsets = torch.arange(block_size)
+    key_slots = (block_ids[:, :, None] * block_size + offsets).view(len(held), -1)
+    key_positions = (logical[:, :, None] * block_size + offsets).view(len(held), -1)
+    key_valid = (key_positions >= 0) & (
+        key_positions < torch.tensor(ends, dtype=torch.long)[:, None]
+    )
     return GroupAttention(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
         key_slots=key_slots,
-        key_positions=key_positions,
-        key_valid=key_positions >= 0,
+        key_positions=key_positions.masked_fill(~key_valid, -1),
+        key_valid=key_valid,
     )

@@ -9,12 +9,27 @@ from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
 from engine.kv.prefix_cache import ExactEntry, PrefixCache, RadixNode
 from engine.request import Sequence
+from engine.runner import build_forward_batch
 from engine.sampling import SamplingParams
+from engine.sched.output import ScheduledSeq
 
 
 def make_seq(tokens: list[int], **kwargs) -> Sequence:
     sampling = SamplingParams(max_tokens=1000)
     return Sequence(prompt_token_ids=list(tokens), sampling=sampling, **kwargs)
+
+
+def attended_keys(
+    kv: KVCacheManager, seq: Sequence, num_new: int
+) -> dict[str, tuple[list[int], list[int]]]:
+    """Per group, (slots, positions) of the keys seq attends to in a step computing num_new
+    more tokens (allocated already), as the model runner addresses them."""
+    scheduled = ScheduledSeq(seq, seq.num_computed_tokens, num_new, True)
+    groups = build_forward_batch([scheduled], kv).groups
+    return {
+        name: (g.key_slots[0][g.key_valid[0]].tolist(), g.key_positions[0][g.key_valid[0]].tolist())
+        for name, g in groups.items()
+    }
 
 
 def step(kv: KVCacheManager, seq: Sequence, num_new: int, sampled: int = 0) -> None:

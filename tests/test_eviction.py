@@ -4,7 +4,15 @@ import torch
 from engine.backends.base import CacheGroupSpec
 from engine.kv.eviction import H2OEviction, LRUEviction, NoEviction, SinkEviction, make_policy
 from engine.kv.manager import KVCacheManager
-from tests.kv_invariants import assert_all_released, check_manager, decode, make_seq, prefill, step
+from tests.kv_invariants import (
+    assert_all_released,
+    attended_keys,
+    check_manager,
+    decode,
+    make_seq,
+    prefill,
+    step,
+)
 
 BS = 4
 FULL = CacheGroupSpec("full", (0,), None, 64)
@@ -59,7 +67,7 @@ def test_lru_session_keeps_generating_with_bounded_memory():
     assert seq.num_computed_tokens == 13
     # Oldest blocks dropped; kept keys keep their original positions.
     assert kv.layout(seq)["full"] == [(4, 2), (5, 3)]
-    assert kv.key_slots_and_positions(seq, 1)["full"] == (
+    assert attended_keys(kv, seq, 1)["full"] == (
         [16, 17, 18, 19, 20, 21],
         [8, 9, 10, 11, 12, 13],
     )
@@ -106,7 +114,7 @@ def test_h2o_keeps_the_block_that_received_the_most_attention():
 
     def decode_with_attention(heavy_block: int) -> None:
         assert kv.allocate(seq, 1)
-        slots, positions = kv.key_slots_and_positions(seq, 1)["full"]
+        slots, positions = attended_keys(kv, seq, 1)["full"]
         mass = torch.tensor([1.0 if p // BS == heavy_block else 0.1 for p in positions])
         kv.record_attention(seq, mass, torch.tensor(slots))
         seq.num_computed_tokens += 1

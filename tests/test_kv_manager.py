@@ -4,7 +4,15 @@ import pytest
 
 from engine.backends.base import CacheGroupSpec
 from engine.kv.manager import KVCacheManager
-from tests.kv_invariants import assert_all_released, check_manager, decode, make_seq, prefill, step
+from tests.kv_invariants import (
+    assert_all_released,
+    attended_keys,
+    check_manager,
+    decode,
+    make_seq,
+    prefill,
+    step,
+)
 
 BS = 4
 FULL = CacheGroupSpec("full", (0, 2), None, 64)
@@ -23,7 +31,7 @@ def test_fresh_sequence_layout_slots_and_keys():
     assert kv.allocate(seq, 10)
     assert kv.layout(seq) == {"full": [(0, 0), (1, 1), (2, 2)]}
     assert kv.slots_for_new_tokens(seq, 10) == {"full": list(range(10))}
-    assert kv.key_slots_and_positions(seq, 10) == {"full": (list(range(10)), list(range(10)))}
+    assert attended_keys(kv, seq, 10) == {"full": (list(range(10)), list(range(10)))}
     assert (kv.num_free_blocks, kv.num_total_blocks, kv.usage) == (5, 8, 3 / 8)
     seq.num_computed_tokens = 10
     seq.output_token_ids.append(5)
@@ -68,7 +76,7 @@ def test_sliding_group_frees_blocks_out_of_the_window():
     assert groups["full"]["in_use"] == 5 and kv.num_free_blocks == 27
     assert kv.allocate(seq, 1)
     window = list(range(12, 21))
-    assert kv.key_slots_and_positions(seq, 1)["sliding"] == (window, window)
+    assert attended_keys(kv, seq, 1)["sliding"] == (window, window)
     kv.take_block_copies()
     seq.num_computed_tokens += 1
     seq.output_token_ids.append(1)
@@ -208,7 +216,7 @@ class SimulatedCache:
 
     def attend(self, seq, num_new):
         end = seq.num_computed_tokens + num_new
-        keys = self.kv.key_slots_and_positions(seq, num_new)
+        keys = attended_keys(self.kv, seq, num_new)
         for group, (slots, positions) in keys.items():
             for slot, position in zip(slots, positions, strict=True):
                 expected = self.expected[seq.seq_id][position]

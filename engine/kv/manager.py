@@ -288,30 +288,6 @@ class KVCacheManager:
             out[group] = slots
         return out
 
-    def key_slots_and_positions(
-        self, seq: Sequence, num_new_tokens: int
-    ) -> dict[str, tuple[list[int], list[int]]]:
-        """Per group, (slots, positions) of every key seq attends to in a step computing
-        num_new_tokens more tokens (this step's tokens included), in layout() order.
-        Positions keep their original values after eviction; the backend masks by position
-        (causality and sliding window), never by slot order."""
-        state = self._seqs.get(seq.seq_id)
-        if state is None:
-            return {g: ([], []) for g in self.pools}
-        total, bs = seq.num_computed_tokens + num_new_tokens, self.block_size
-        out: dict[str, tuple[list[int], list[int]]] = {}
-        for group, table in state.tables.items():
-            slots: list[int] = []
-            positions: list[int] = []
-            for index, block in enumerate(table):
-                count = min(bs, total - index * bs)
-                if block is None or count <= 0:
-                    continue
-                slots.extend(range(block.block_id * bs, block.block_id * bs + count))
-                positions.extend(range(index * bs, index * bs + count))
-            out[group] = (slots, positions)
-        return out
-
     # ------------------------------------------------------------------ eviction input
 
     def wants_attention(self, seq: Sequence) -> bool:
@@ -326,8 +302,8 @@ class KVCacheManager:
     ) -> None:
         """Accumulate the attention mass seq's keys received in one step, per logical block
         (h2o scores). mass[i] belongs to the key in slot key_slots[i] of the primary group
-        ("full" when the model has one, as ForwardOutput.attention_mass reports), e.g. that
-        group's key_slots_and_positions() slots; lists or 1-D tensors of equal length."""
+        ("full" when the model has one, as ForwardOutput.attention_mass reports), e.g. the
+        valid key slots the runner built from layout(); lists or 1-D tensors of equal length."""
         state = self._seqs.get(seq.seq_id)
         if state is None:
             return
