@@ -49,7 +49,8 @@ async def test_session_limit_counts_the_session_header(limited):
     async with httpx.AsyncClient(base_url=limited.v1, timeout=120) as client:
         headers = {"X-Session-Id": "conversation-1"}
         first = asyncio.create_task(
-            client.post("/completions", json=body("carol"), headers=headers)
+            # Long enough to be still running when the second arrives, however fast decoding is.
+            client.post("/completions", json=body("carol", 256), headers=headers)
         )
         await asyncio.sleep(0.5)
         refused = await client.post("/completions", json=body("dave", 2), headers=headers)
