@@ -180,6 +180,8 @@ class AsyncEngine:
     # ------------------------------------------------------------------ statistics
 
     def gauges(self) -> EngineGauges:
+        """Scheduler and KV state for Prometheus, computed when /metrics is scraped rather than
+        over every tenant each step."""
         stats = self.engine.scheduler.stats()
         prefix = self.engine.kv.stats()["prefix_cache"]
         return EngineGauges(
@@ -262,8 +264,6 @@ class AsyncEngine:
                 del self._tracked[seq.request_id]
                 self._record_finish(tracked, out.finish_reason or FinishReason.STOP)
         self.metrics.record_generated(generated)
-        # Gauges (running, KV use, per-tenant counters) are read when /metrics is scraped, not
-        # recomputed over every tenant each step.
 
     def _record_finish(self, tracked: _Tracked, reason: FinishReason) -> None:
         now = time.monotonic()
