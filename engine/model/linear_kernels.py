@@ -92,8 +92,8 @@ class DynamicInt8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Few tensor ops on purpose: at decode sizes each costs about as much as the multiply.
         dtype, rows = x.dtype, x.reshape(-1, self.in_features).float()  # fbgemm is float32
-        row_max = torch.linalg.vector_norm(rows, float("inf"), dim=-1, keepdim=True)
-        row_max.clamp_(min=1e-12)
+        # abs().amax(): the same values as vector_norm(inf), which measured 6x slower at 16 rows.
+        row_max = rows.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
         # Full 8-bit activations (reduce_range=False): 7 bits cost 10% perplexity here. CPUs with
         # VNNI sum in int32; older AVX2-only ones can saturate a pair sum in rare cases.
         out = torch.ops.quantized.linear_dynamic(
