@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 from dotenv import dotenv_values
 
 from engine.llm_engine import EngineConfig
+from engine.sched.policy import TokenCost
 from engine.sched.scheduler import SchedulerConfig
+
+# A token weight: the VTC cost of one token, never negative (a negative weight would let a
+# tenant earn credit by being served).
+Weight = Annotated[float, msgspec.Meta(ge=0)]
 
 
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
@@ -31,6 +36,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     MAX_INFLIGHT_PER_SESSION: int | None = None
     MAX_NUM_BATCHED_TOKENS: int = 512  # per-step token budget (prefill chunks + decodes)
     SCHEDULING_POLICY: Literal["fcfs", "vtc"] = "vtc"
+    # VTC's service weights (Sheng et al., OSDI 2024): w_p per prompt token computed, w_q per
+    # output token; the per-tenant service ledger (/api/metrics) uses the same weights.
+    VTC_INPUT_WEIGHT: Weight = 1.0
+    VTC_OUTPUT_WEIGHT: Weight = 2.0
     EVICTION_POLICY: Literal["none", "lru", "sink", "h2o"] = "none"
     SESSION_KV_TOKENS: int = 1024  # a session's KV budget when an eviction policy is on
     PREFIX_CACHING: bool = True
@@ -51,6 +60,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
                 max_queue_len=self.MAX_QUEUE_LEN,
                 max_inflight_per_tenant=self.MAX_INFLIGHT_PER_TENANT,
                 max_inflight_per_session=self.MAX_INFLIGHT_PER_SESSION,
+                token_cost=TokenCost(self.VTC_INPUT_WEIGHT, self.VTC_OUTPUT_WEIGHT),
             ),
             block_size=self.KV_BLOCK_SIZE,
             max_active_kv_tokens=self.MAX_ACTIVE_KV_TOKENS,

@@ -1,0 +1,55 @@
+"""Settings: VTC's token weights reach the scheduler, and invalid ones stop the server at start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.settings import load_settings
+from engine.sched.policy import TokenCost, VtcPolicy
+from tests.sched_driver import make_kv, make_seq, run_step
+
+NO_ENV_FILE = Path("/nonexistent/.env")
+
+
+def test_vtc_weights_default_to_the_papers_ratio(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VTC_INPUT_WEIGHT", raising=False)
+    monkeypatch.delenv("VTC_OUTPUT_WEIGHT", raising=False)
+    config = load_settings(NO_ENV_FILE).engine_config().scheduler
+    assert config.token_cost == TokenCost(prompt_weight=1.0, output_weight=2.0)
+
+
+def test_vtc_weights_from_the_environment_charge_the_scheduler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine.sched import Scheduler
+
+    monkeypatch.setenv("VTC_INPUT_WEIGHT", "0.5")
+    monkeypatch.setenv("VTC_OUTPUT_WEIGHT", "3")
+    monkeypatch.setenv("SCHEDULING_POLICY", "vtc")
+    config = load_settings(NO_ENV_FILE).engine_config().scheduler
+    assert config.token_cost == TokenCost(prompt_weight=0.5, output_weight=3.0)
+
+    sched = Scheduler(config, make_kv())
+    assert isinstance(sched.policy, VtcPolicy)
+    sched.add(make_seq(prompt_len=8, max_tokens=2, tenant="t"))
+    run_step(sched)  # the whole prompt and the first token
+    run_step(sched)  # the second token
+    expected = 8 * 0.5 + 2 * 3.0
+    assert sched.ledger.service("t") == expected
+    assert sched.policy.counter("t") == expected
+    assert sched.stats().tenants["t"].service == expected
+
+
+@pytest.mark.parametrize("name", ["VTC_INPUT_WEIGHT", "VTC_OUTPUT_WEIGHT"])
+def test_a_negative_weight_is_a_startup_error(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    monkeypatch.setenv(name, "-1")
+    with pytest.raises(SystemExit, match=f"invalid setting: .*>= 0.*{name}"):
+        load_settings(NO_ENV_FILE)
+
+
+def test_a_weight_that_is_not_a_number_is_a_startup_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VTC_OUTPUT_WEIGHT", "heavy")
+    with pytest.raises(SystemExit, match=r"invalid setting: .*VTC_OUTPUT_WEIGHT"):
+        load_settings(NO_ENV_FILE)
