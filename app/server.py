@@ -64,7 +64,7 @@ def build_server_state(settings: Settings, created: int) -> ServerState:
         "engine ready",
         model=engine.model_id,
         backend=settings.BACKEND,
-        kv_blocks=engine.kv.num_total_blocks,
+        kv_blocks={name: pool.num_total for name, pool in engine.kv.pools.items()},
         block_size=settings.KV_BLOCK_SIZE,
         policy=settings.SCHEDULING_POLICY,
     )

@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from engine.backends.base import InferenceBackend
 from engine.detokenizer import IncrementalDetokenizer, check_stop
 from engine.kv.manager import KVCacheManager
+from engine.kv.sizing import blocks_per_group
 from engine.model.kv_cache import cache_group_specs
 from engine.model.loader import LoadedModel
 from engine.request import FinishReason, Sequence, StepOutput, TokenLogprob
@@ -38,7 +39,9 @@ class EngineConfig:
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     block_size: int = 16  # tokens per KV block (KV_BLOCK_SIZE)
-    max_active_kv_tokens: int | None = None  # KV capacity per cache group; None: from memory
+    # KV memory budget: the bytes this many tokens take in every storing layer; None: from
+    # free memory. Sliding-window layers get only what their window uses, full attention the rest.
+    max_active_kv_tokens: int | None = None
     enable_prefix_caching: bool = True
 
 
@@ -168,18 +171,27 @@ class LLMEngine:
         )
 
 
-def _num_kv_blocks(backend: InferenceBackend, config: EngineConfig) -> int:
-    """Blocks per cache group: MAX_ACTIVE_KV_TOKENS, or a share of free memory."""
-    tokens = config.max_active_kv_tokens
-    if tokens is None:
-        groups = cache_group_specs(backend.arch, backend.dtype)
-        bytes_per_token = sum(group.bytes_per_token for group in groups)
-        tokens = int(_free_memory_bytes(backend.device) * _AUTO_KV_MEMORY_FRACTION) // max(
-            bytes_per_token, 1
-        )
+def _num_kv_blocks(backend: InferenceBackend, config: EngineConfig) -> dict[str, int]:
+    """Blocks per cache group, sized by layer kind (engine.kv.sizing) out of a memory budget:
+    MAX_ACTIVE_KV_TOKENS tokens of K/V in every storing layer, or a share of free memory."""
+    groups = cache_group_specs(backend.arch, backend.dtype)
+    bytes_per_token = sum(group.bytes_per_token for group in groups)
+    sched = config.scheduler
+    max_context: int | None = None
+    if config.max_active_kv_tokens is not None:
+        budget = config.max_active_kv_tokens * bytes_per_token
+    else:
+        budget = int(_free_memory_bytes(backend.device) * _AUTO_KV_MEMORY_FRACTION)
         # More than every sequence at full length is never needed.
-        tokens = min(tokens, backend.max_model_len * config.scheduler.max_num_seqs)
-    return max(1, -(-tokens // config.block_size))
+        max_context = backend.max_model_len * sched.max_num_seqs
+    return blocks_per_group(
+        groups,
+        budget,
+        config.block_size,
+        sched.max_num_seqs,
+        sched.max_num_batched_tokens,
+        max_context,
+    )
 
 
 def _free_memory_bytes(device: torch.device) -> int:

@@ -9,6 +9,7 @@ eviction policy asked for back to the KV manager.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +32,12 @@ class ForwardOutput:
 
 
 class ModelRunner:
-    """Runs `backend`'s model over a KV cache of `num_blocks` blocks of `block_size` tokens per
-    cache group (the KV manager hands out the same block ids)."""
+    """Runs `backend`'s model over a KV cache of `num_blocks` blocks of `block_size` tokens
+    (per cache group, or one count for every group; the KV manager hands out the same ids)."""
 
-    def __init__(self, backend: InferenceBackend, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, backend: InferenceBackend, num_blocks: int | Mapping[str, int], block_size: int
+    ) -> None:
         self.backend = backend
         self.device, self.dtype = backend.device, backend.dtype
         self.cache_groups = cache_group_specs(backend.arch, backend.dtype)

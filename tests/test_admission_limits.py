@@ -46,14 +46,23 @@ async def test_second_request_of_a_tenant_is_refused_while_the_first_runs(limite
 
 
 async def test_session_limit_counts_the_session_header(limited):
+    """The first request of the session is streaming (so surely running, however fast or slow
+    decoding is) when the second arrives; once its client leaves, the session may ask again."""
+    headers = {"X-Session-Id": "conversation-1"}
+    first_body = body("carol", 256) | {"stream": True}
     async with httpx.AsyncClient(base_url=limited.v1, timeout=120) as client:
-        headers = {"X-Session-Id": "conversation-1"}
-        first = asyncio.create_task(
-            # Long enough to be still running when the second arrives, however fast decoding is.
-            client.post("/completions", json=body("carol", 256), headers=headers)
-        )
-        await asyncio.sleep(0.5)
-        refused = await client.post("/completions", json=body("dave", 2), headers=headers)
-        assert (await first).status_code == 200
-    assert refused.status_code == 429
-    assert "session 'conversation-1'" in refused.json()["error"]["message"]
+        async with client.stream("POST", "/completions", json=first_body, headers=headers) as first:
+            assert first.status_code == 200
+            lines = first.aiter_lines()
+            while not (await anext(lines)).startswith("data: "):
+                pass  # until the first token's chunk
+            refused = await client.post("/completions", json=body("dave", 2), headers=headers)
+        assert refused.status_code == 429
+        assert "session 'conversation-1'" in refused.json()["error"]["message"]
+        # Leaving the stream aborted the first request, which frees the session's place.
+        for _ in range(100):
+            again = await client.post("/completions", json=body("dave", 2), headers=headers)
+            if again.status_code != 429:
+                break
+            await asyncio.sleep(0.2)
+        assert again.status_code == 200

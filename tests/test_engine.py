@@ -86,6 +86,26 @@ def test_chunked_prefill_matches_one_chunk_and_never_stalls_decodes(loaded, prom
     assert_all_released(engine.kv)
 
 
+def test_contexts_past_the_window_in_a_sliding_pool_sized_by_layer_kind(loaded):
+    """With two sequences at most, the sliding-window pool holds about two windows, a sixth of
+    the full-attention pool; two 700-token sequences (past the 512-token window) still decode
+    exactly as each alone, and every block comes back."""
+    prompts = [long_prompt(loaded, 700, topic=topic) for topic in ("square", "cube")]
+    alone = [greedy_alone(loaded, prompt, 8) for prompt in prompts]
+    engine = new_engine(
+        loaded,
+        max_active_kv_tokens=8192,
+        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=256),
+    )
+    pools = engine.kv.pools
+    assert pools["sliding"].num_total == 2 * 34 + 16 < pools["full"].num_total // 6
+    seqs = [Sequence(prompt, greedy(8)) for prompt in prompts]
+    run(engine, seqs)
+    assert [seq.output_token_ids for seq in seqs] == alone
+    assert engine.kv.stats()["window_freed_blocks"] > 0
+    assert_all_released(engine.kv)
+
+
 def test_repeated_long_prompt_reuses_the_cached_prefix(loaded):
     prompt = long_prompt(loaded, 1000, topic="double")
     engine = new_engine(

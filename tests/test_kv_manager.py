@@ -72,7 +72,13 @@ def test_sliding_group_frees_blocks_out_of_the_window():
     assert logical(kv, seq, "full") == [0, 1, 2, 3, 4]
     assert kv.layout(seq)["sliding"] == [(3, 3), (4, 4)]
     groups = kv.stats()["groups"]
-    assert groups["sliding"] == {"in_use": 2, "cached_unused": 3, "free": 27, "reclaimed": 0}
+    assert groups["sliding"] == {
+        "total": 32,
+        "in_use": 2,
+        "cached_unused": 3,
+        "free": 27,
+        "reclaimed": 0,
+    }
     assert groups["full"]["in_use"] == 5 and kv.num_free_blocks == 27
     assert kv.allocate(seq, 1)
     window = list(range(12, 21))
@@ -104,7 +110,7 @@ def test_sliding_group_without_prefix_caching_returns_blocks_to_the_free_queue()
     seq = make_seq(list(range(20)))
     prefill(kv, seq)
     sliding = kv.stats()["groups"]["sliding"]
-    assert sliding == {"in_use": 2, "cached_unused": 0, "free": 6, "reclaimed": 0}
+    assert sliding == {"total": 8, "in_use": 2, "cached_unused": 0, "free": 6, "reclaimed": 0}
     kv.free(seq)
     assert_all_released(kv)
 

@@ -11,14 +11,16 @@ Lifecycle of a sequence, as driven by the scheduler and the engine:
     kv.commit(seq)                         # after each step that advanced seq
     kv.free(seq)                           # finished, aborted or preempted
 
-One block pool per cache group ("full", "sliding"); physical block ids are per group (the
-backend allocates num_blocks blocks for every group). All counts are in blocks of
+One block pool per cache group ("full", "sliding"), each of its own size (engine.kv.sizing:
+sliding groups only get what their window can use); physical block ids are per group, and the
+model runner's cache has as many blocks in each group. All counts are in blocks of
 `block_size` tokens. A token at position p of a sequence lives in that group's block
 table[p // block_size] at offset p % block_size; its slot is block_id * block_size + offset.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -66,7 +68,7 @@ class KVCacheManager:
 
     groups: the model's cache groups (engine.backends.base.CacheGroupSpec); "full" is the
         primary group if present (every prefix-cache node has a block of it), else the first.
-    num_blocks: blocks per group (the backend allocates this many for every group).
+    num_blocks: blocks per group, or one count for every group (the runner allocates as many)
     block_size: tokens per block.
     enable_prefix_caching: share and reuse full blocks across sequences (radix tree +
         exact-match index); when off, blocks are freed as soon as nobody holds them.
@@ -76,7 +78,7 @@ class KVCacheManager:
     def __init__(
         self,
         groups: list[CacheGroupSpec],
-        num_blocks: int,
+        num_blocks: int | Mapping[str, int],
         block_size: int,
         enable_prefix_caching: bool = True,
         sink_tokens: int = 4,
@@ -94,7 +96,8 @@ class KVCacheManager:
         self.group_specs = {g.name: g for g in groups}
         self.primary = "full" if "full" in self.group_specs else names[0]
         self.windows = {g.name: g.sliding_window for g in groups}
-        self.pools = {name: BlockPool(name, num_blocks) for name in names}
+        sizes = num_blocks if isinstance(num_blocks, Mapping) else dict.fromkeys(names, num_blocks)
+        self.pools = {name: BlockPool(name, sizes[name]) for name in names}
         self.cache = PrefixCache(self.pools, self.primary, block_size, self.windows)
         for pool in self.pools.values():
             pool.reclaim_handler = self.cache.forget_block
@@ -112,19 +115,24 @@ class KVCacheManager:
 
     @property
     def num_total_blocks(self) -> int:
-        """Blocks per group."""
+        """Blocks of the primary group: what bounds one sequence's context."""
         return self.pools[self.primary].num_total
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks allocate() can still hand out (free + cached-unused), in the tightest group."""
-        return min(pool.num_available for pool in self.pools.values())
+        """Blocks allocate() can still hand out (free + cached-unused) in the primary group."""
+        return self.pools[self.primary].num_available
+
+    @property
+    def is_exhausted(self) -> bool:
+        """Whether some group has no block left to hand out."""
+        return any(pool.num_available == 0 for pool in self.pools.values())
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks held by sequences (0..1), in the tightest group; cache-only
+        """Fraction of blocks held by sequences (0..1) in the most used group; cache-only
         blocks count as free."""
-        return 1.0 - self.num_free_blocks / self.num_total_blocks
+        return max(1.0 - pool.num_available / pool.num_total for pool in self.pools.values())
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks allocate(seq, num_new_tokens) would take now, in the group needing most
@@ -338,6 +346,7 @@ class KVCacheManager:
             "num_sequences": len(self._seqs),
             "groups": {
                 name: {
+                    "total": pool.num_total,
                     "in_use": pool.num_in_use,
                     "cached_unused": pool.num_cached_unused,
                     "free": pool.num_free,

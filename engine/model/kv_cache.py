@@ -1,13 +1,16 @@
 """The physical paged KV cache: one preallocated key pool and one value pool per layer that
 stores K/V.
 
-A pool has `num_blocks * block_size` slots; slot = block * block_size + offset, so the
-engine's block tables address it directly. Each cache group ("full", "sliding") has its own
-slot space: the engine keeps one block table per group, and every layer of a group is
-indexed by the same slots. KV-shared layers own no pool; they read their producer's.
+A layer's pool has `num_blocks[group] * block_size` slots; slot = block * block_size + offset,
+so the engine's block tables address it directly. Each cache group ("full", "sliding") has its
+own slot space and its own number of blocks (engine.kv.sizing): the engine keeps one block
+table per group, and every layer of a group is indexed by the same slots. KV-shared layers own
+no pool; they read their producer's.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 
@@ -45,23 +48,25 @@ class PagedKVCache:
     def __init__(
         self,
         arch: GemmaArchitecture,
-        num_blocks: int,
+        num_blocks: int | Mapping[str, int],
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        if num_blocks <= 0 or block_size <= 0:
+        """`num_blocks`: per cache group, or one count for every group."""
+        if isinstance(num_blocks, int):
+            num_blocks = {spec.group: num_blocks for spec in arch.layers}
+        if min(num_blocks.values(), default=0) <= 0 or block_size <= 0:
             raise ValueError(
                 f"need a positive number of blocks and block size, got {num_blocks} x {block_size}"
             )
-        self.num_blocks = num_blocks
+        self.num_blocks = dict(num_blocks)
         self.block_size = block_size
-        self.num_slots = num_blocks * block_size
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         for spec in arch.layers:
             if spec.stores_kv:
-                shape = (self.num_slots, spec.num_kv_heads, spec.head_dim)
+                shape = (num_blocks[spec.group] * block_size, spec.num_kv_heads, spec.head_dim)
                 self.keys[spec.index] = torch.zeros(shape, device=device, dtype=dtype)
                 self.values[spec.index] = torch.zeros(shape, device=device, dtype=dtype)
         # Which group's addressing each layer reads: its own, or its KV producer's.

@@ -118,7 +118,8 @@ class Scheduler:
 
     @property
     def kv_capacity_tokens(self) -> int:
-        """Tokens the whole KV cache holds (one group's blocks times the block size)."""
+        """Tokens of context the KV cache holds (the primary group's blocks times the block
+        size; sliding-window groups only ever hold a window per sequence)."""
         return self.kv.num_total_blocks * self.kv.block_size
 
     def kv_tokens_needed(self, seq: Sequence) -> int:
@@ -353,7 +354,7 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Move seq from waiting to running with a first chunk of at most `budget` tokens.
         Returns the chunk size, or 0 (changing nothing) when its blocks do not fit."""
-        if self.kv.num_free_blocks == 0:
+        if self.kv.is_exhausted:
             return 0  # every step computes at least one token into a fresh or copied block
         cached_before = seq.num_cached_prompt_tokens
         self.kv.match_prefix(seq)

@@ -82,7 +82,9 @@ function renderKv(kv) {
       return barRow("kv-group", { group: name }, name, parts, `${g.in_use} / ${g.cached_unused} / ${g.free}`);
     })
   );
-  setText("kv-summary", `${fmtInt(kv.num_total_blocks)} blocks × ${kv.block_size} tokens`);
+  // Pools are sized by layer kind: sliding-window groups hold less than full attention.
+  const sizes = Object.entries(kv.groups).map(([name, g]) => `${name} ${fmtInt(g.total)}`);
+  setText("kv-summary", `${sizes.join(" · ")} blocks × ${kv.block_size} tokens`);
   const p = kv.prefix_cache;
   setText("prefix-tokens", `${fmtInt(p.hit_tokens)} / ${fmtInt(p.query_tokens)}`);
   setText("prefix-exact", fmtInt(p.exact_hits));

@@ -1,0 +1,71 @@
+"""How many KV blocks each cache group gets out of one memory budget.
+
+A sliding-window layer never needs more than its window of keys per sequence (the KV manager
+frees older blocks), while a full-attention layer needs the whole context. Splitting the budget
+evenly, the same number of blocks for every group, leaves most of the sliding pools idle once
+contexts outgrow the window (Gemma 3: 5 of 6 layers slide over 512 tokens). So:
+
+- a sliding group gets what its window can use: for every sequence that may run at once
+  (max_num_seqs), the window's blocks plus two (one partly outside the window, one the next
+  token opens), plus the blocks of one step's prefill chunks (max_num_batched_tokens); never
+  more than the even split would give it, since then the full-attention pool runs out first;
+- full-attention groups share the rest of the bytes.
+
+Every count is a pool size only: admission still checks each group's own free blocks, so a
+workload that outruns one pool waits or is preempted rather than failing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+
+from engine.backends.base import CacheGroupSpec
+
+
+def even_split(groups: SequenceOf[CacheGroupSpec], budget_bytes: int, block_size: int) -> int:
+    """Blocks per group when every group gets the same number (the layout before sizing by
+    layer kind, kept for comparison): the budget over one block of every group."""
+    block_bytes = sum(group.bytes_per_token for group in groups) * block_size
+    return max(1, budget_bytes // max(block_bytes, 1))
+
+
+def sliding_blocks_needed(
+    window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+) -> int:
+    """The most blocks a sliding group with `window` can hold at once (see the module doc)."""
+    per_sequence = -(-window // block_size) + 2
+    return max_num_seqs * per_sequence + -(-max_num_batched_tokens // block_size)
+
+
+def blocks_per_group(
+    groups: SequenceOf[CacheGroupSpec],
+    budget_bytes: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_context_tokens: int | None = None,
+) -> dict[str, int]:
+    """Blocks for each cache group from `budget_bytes` of KV memory.
+
+    max_context_tokens caps a full-attention group at the tokens it could ever hold (every
+    running sequence at the model's maximum length), so an automatic budget does not reserve
+    memory nobody can use.
+    """
+    even = even_split(groups, budget_bytes, block_size)
+    sizes: dict[str, int] = {}
+    spent = 0
+    for group in groups:
+        if group.sliding_window is not None:
+            needed = sliding_blocks_needed(
+                group.sliding_window, block_size, max_num_seqs, max_num_batched_tokens
+            )
+            sizes[group.name] = min(even, needed)
+            spent += sizes[group.name] * group.bytes_per_token * block_size
+    full = [group for group in groups if group.sliding_window is None]
+    if full:
+        full_block_bytes = sum(group.bytes_per_token for group in full) * block_size
+        blocks = max(1, (budget_bytes - spent) // max(full_block_bytes, 1))
+        if max_context_tokens is not None:
+            blocks = min(blocks, max(1, -(-max_context_tokens // block_size)))
+        sizes.update({group.name: blocks for group in full})
+    return sizes
