@@ -201,9 +201,11 @@ class AsyncEngine:
 
     def snapshot(self) -> dict:
         """Everything the dashboard shows: latency windows, scheduler and KV state."""
+        stats = self.engine.scheduler.stats()
         return {
             "metrics": self.metrics.snapshot(),
-            "scheduler": self.engine.scheduler.stats().to_dict(),
+            "scheduler": stats.to_dict(),
+            "fairness": self.metrics.fairness(stats.tenants),
             "kv": self.engine.kv.stats(),
             "steps": self.engine.num_steps,
             "step_profile": self.engine.profile.summary(),
@@ -258,7 +260,7 @@ class AsyncEngine:
             generated += len(out.new_token_ids)
             if tracked.first_token_at is None:
                 tracked.first_token_at = now
-                self.metrics.record_first_token(now - tracked.arrival)
+                self.metrics.record_first_token(now - tracked.arrival, seq.tenant)
             self._push(tracked, out)
             if out.finished:
                 del self._tracked[seq.request_id]

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from engine.sched.stats import ServiceGapTracker, TenantStats
+
 PREFIX = "gemma_serve:"
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -90,6 +92,8 @@ class ServingMetrics:
         self.tpot = SlidingWindow(window_s)
         self.e2e = SlidingWindow(window_s)
         self.generated = SlidingWindow(window_s)  # tokens per engine step, timestamped
+        self.tenant_ttft: dict[str, SlidingWindow] = {}  # per tenant, for fairness as users see it
+        self.service_gap = ServiceGapTracker()
         self._started = time.monotonic()
         self._lock = threading.Lock()
         self.registry = CollectorRegistry()
@@ -149,9 +153,14 @@ class ServingMetrics:
             [*labels, "tenant"], registry=self.registry,
         )  # fmt: skip
 
-    def record_first_token(self, seconds: float) -> None:
+    def record_first_token(self, seconds: float, tenant: str | None = None) -> None:
         with self._lock:
             self.ttft.add(seconds)
+            if tenant is not None:
+                window = self.tenant_ttft.get(tenant)
+                if window is None:
+                    window = self.tenant_ttft[tenant] = SlidingWindow(self.window_s)
+                window.add(seconds)
         self._ttft_hist.labels(self.model_name).observe(seconds)
 
     def record_finished(
@@ -200,4 +209,27 @@ class ServingMetrics:
                 "tpot_s": self.tpot.summary(),
                 "e2e_s": self.e2e.summary(),
                 "throughput_tokens_per_s": self.generated.total() / span,
+            }
+
+    def fairness(self, tenants: dict[str, TenantStats]) -> dict:
+        """Per-tenant service and TTFT, and the service gap between backlogged tenants, for the
+        dashboard: the same numbers `evals/fairness_http.py` measures from outside."""
+        with self._lock:
+            self.service_gap.observe(tenants)
+            gap, pair = self.service_gap.current()
+            names = sorted(set(tenants) | set(self.tenant_ttft))
+            per_tenant = {
+                name: {
+                    "service": tenants[name].service if name in tenants else 0.0,
+                    "ttft_s": self.tenant_ttft[name].summary()
+                    if name in self.tenant_ttft
+                    else SlidingWindow().summary(),
+                }
+                for name in names
+            }
+            return {
+                "tenants": per_tenant,
+                "max_service_gap": gap,
+                "gap_pair": list(pair) if pair else None,
+                "max_service_gap_seen": self.service_gap.max_seen,
             }

@@ -68,7 +68,18 @@ def test_dashboard_shows_live_metrics_and_drives_the_load_generator(server, tmp_
             for tenant in TENANTS:
                 expect(page.locator(f'[data-tenant="{tenant}"]')).to_be_visible()
                 assert _bar_width(page, tenant, "tokens") > 0
+                assert _bar_width(page, tenant, "service") > 0  # weighted tokens
                 assert _bar_width(page, tenant, "counter") > 0  # the default policy is vtc
+                expect(page.locator(f'[data-tenant="{tenant}"] .ttft-p95')).to_have_text(
+                    re.compile(r"TTFT p95 \d")
+                )
+            # The fairness numbers come from /api/metrics: the page shows the current gap.
+            fairness = httpx.get(server.base_url + "/api/metrics", timeout=10).json()["fairness"]
+            for tenant in TENANTS:
+                assert fairness["tenants"][tenant]["service"] > 0
+                assert fairness["tenants"][tenant]["ttft_s"]["count"] > 0
+            expect(page.locator("#service-gap")).to_have_text(NUMBER)
+            expect(page.locator("#service-gap-max")).to_have_text(NUMBER)
             expect(page.locator("#prefix-hit-rate")).not_to_have_text("0.0 %")  # shared prompt
             # Where step time goes: one bar per phase, the forward pass always above zero.
             expect(page.locator("#step-phases .step-phase")).to_have_count(6)

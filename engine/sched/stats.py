@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 from engine.sched.policy import TokenCost
@@ -61,3 +62,38 @@ class SchedulerStats:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+class ServiceGapTracker:
+    """The VTC paper's fairness measure, observed live: for two tenants backlogged (with
+    requests waiting) at every observation of a stretch, the largest |W_f(t1, t2) - W_g(t1, t2)|
+    over t1 < t2 in it, W being weighted service. Sheng et al. (OSDI 2024, §4) bound it
+    by 2 max(w_p L_input, w_q M) under VTC; FCFS lets it grow without bound.
+
+    Observations are whenever `observe` is called (the dashboard's poll), so a stretch is
+    "continuously backlogged" as far as those samples see."""
+
+    def __init__(self) -> None:
+        # (f, g) -> (lowest, highest) W_f - W_g seen in the pair's current stretch
+        self._stretches: dict[tuple[str, str], tuple[float, float]] = {}
+        self.max_seen = 0.0  # the largest gap of any stretch since start
+
+    def observe(self, tenants: Mapping[str, TenantStats]) -> None:
+        """Extend the stretches of pairs still both backlogged; end the others."""
+        backlogged = sorted(name for name, t in tenants.items() if t.waiting > 0)
+        stretches: dict[tuple[str, str], tuple[float, float]] = {}
+        for i, f in enumerate(backlogged):
+            for g in backlogged[i + 1 :]:
+                diff = tenants[f].service - tenants[g].service
+                low, high = self._stretches.get((f, g), (diff, diff))
+                stretches[(f, g)] = (min(low, diff), max(high, diff))
+        self._stretches = stretches
+        self.max_seen = max(self.max_seen, self.current()[0])
+
+    def current(self) -> tuple[float, tuple[str, str] | None]:
+        """The largest gap among pairs backlogged now, and that pair (None when no pair is)."""
+        gap, pair = 0.0, None
+        for key, (low, high) in self._stretches.items():
+            if high - low > gap or pair is None:
+                gap, pair = high - low, key
+        return gap, pair

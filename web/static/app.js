@@ -104,12 +104,16 @@ function tenantBar(cls, value, max, label) {
   return [track, num];
 }
 
-function renderTenants(tenants) {
+function renderTenants(tenants, fairness) {
   const entries = Object.entries(tenants).sort(([a], [b]) => a.localeCompare(b));
   const container = $("tenants");
+  setText("service-gap", fmtInt(fairness.max_service_gap));
+  setText("service-gap-pair", fairness.gap_pair ? `(${fairness.gap_pair.join(" / ")})` : "(none)");
+  setText("service-gap-max", fmtInt(fairness.max_service_gap_seen));
   if (entries.length === 0) return;
   const served = (t) => t.prompt_tokens + t.output_tokens;
   const maxTokens = Math.max(...entries.map(([, t]) => served(t)));
+  const maxService = Math.max(...entries.map(([, t]) => t.service));
   const maxCounter = Math.max(...entries.map(([, t]) => t.counter ?? 0));
   container.replaceChildren(
     ...entries.map(([name, t]) => {
@@ -122,10 +126,15 @@ function renderTenants(tenants) {
       title.textContent = name;
       const detail = document.createElement("span");
       detail.textContent = `${t.running} running · ${t.waiting} waiting`;
-      who.append(title, detail);
+      const ttft = document.createElement("span");
+      ttft.className = "ttft-p95";
+      const latency = fairness.tenants[name]?.ttft_s;
+      ttft.textContent = latency && latency.count ? `TTFT p95 ${fmtSeconds(latency.p95)}` : "TTFT p95 —";
+      who.append(title, detail, document.createElement("br"), ttft);
       const bars = document.createElement("div");
       bars.className = "bars";
       bars.append(...tenantBar("tokens", served(t), maxTokens, fmtInt(served(t)) + " tok"));
+      bars.append(...tenantBar("service", t.service, maxService, fmtInt(t.service) + " w"));
       const counter = t.counter ?? 0;
       const counterLabel = t.counter === null ? "— (no VTC)" : fmtInt(counter) + " vtc";
       bars.append(...tenantBar("counter", counter, maxCounter, counterLabel));
@@ -205,7 +214,7 @@ function renderMetrics(snap) {
   renderLatency("e2e", m.e2e_s);
   renderKv(snap.kv);
   renderProfile(snap.step_profile);
-  renderTenants(s.tenants);
+  renderTenants(s.tenants, snap.fairness);
   pushHistory(history.throughput, m.throughput_tokens_per_s);
   pushHistory(history.ttft, m.ttft_s.p50);
   setText("spark-throughput-now", fmtRate(m.throughput_tokens_per_s) + " tok/s");
