@@ -2,7 +2,8 @@
 
 With API_KEYS set, every /v1 call needs `Authorization: Bearer <key>`; the key's name is the
 tenant. Without keys, the OpenAI `user` field (else a default tenant) is the tenant. The
-session is `X-Session-Id`, else `user`.
+session is `X-Session-Id`, else `user`; a chat with `X-Session-Id` also keeps its KV pinned
+between turns under that id.
 """
 
 from __future__ import annotations
@@ -32,8 +33,15 @@ def tenant_for_key(api_keys: Mapping[str, str], authorization: str | None) -> st
 
 
 def identity_for(
-    key_tenant: str | None, user: str | None = None, session_header: str | None = None
+    key_tenant: str | None,
+    user: str | None = None,
+    session_header: str | None = None,
+    pin_session: bool = False,
 ) -> Identity:
     """The key's tenant, else the `user` field, else the default; the session from the header,
-    else the user."""
-    return Identity(tenant=key_tenant or user or DEFAULT_TENANT, session_id=session_header or user)
+    else the user. With `pin_session`, the header's session also pins its KV between turns."""
+    return Identity(
+        tenant=key_tenant or user or DEFAULT_TENANT,
+        session_id=session_header or user,
+        kv_session=session_header if pin_session else None,
+    )

@@ -49,6 +49,9 @@ class Identity:
 
     tenant: str = DEFAULT_TENANT
     session_id: str | None = None
+    # The conversation whose KV stays pinned between turns (a WebSocket session, or a chat with
+    # X-Session-Id); None: nothing is pinned.
+    kv_session: str | None = None
 
 
 @dataclass
@@ -194,6 +197,8 @@ class GenerationService:
                         cache_salt=cache_salt,
                         eviction_policy=policy,
                         max_kv_tokens=budget,
+                        # One pin per conversation: a turn with several choices pins none.
+                        kv_session=identity.kv_session if len(prompts) * n == 1 else None,
                     )
                     streams.append(self.engine.submit(seq))
         except EngineOverloaded as exc:

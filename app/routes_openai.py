@@ -131,7 +131,9 @@ async def chat_completions(request: Request) -> Response | Stream:
     state = _state(request)
     key_tenant = _authorize(request)
     req = decode_chat_completion_request(await request.body())
-    identity = identity_for(key_tenant, req.user, request.headers.get("x-session-id"))
+    identity = identity_for(
+        key_tenant, req.user, request.headers.get("x-session-id"), pin_session=True
+    )
     if req.is_stream:
         return _sse_response(await state.service.chat_stream(req, identity))
     return _json(await _until_disconnect(request, state.service.chat(req, identity)))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -154,6 +154,7 @@ class ChatSession:
     busy: bool = False  # a turn is in flight; turns of one conversation are sequential
     eviction_policy: str | None = None  # this session's KV eviction; None: the server default
     kv_tokens: int | None = None  # its KV budget under that policy; None: the server default
+    pinned_as: tuple[str, str] | None = None  # (tenant, key) its KV is pinned under
 
 
 @dataclass
@@ -251,6 +252,8 @@ class WsConnection:
             pass
         finally:
             await self.abort_all()
+            for session in self.sessions.values():
+                self._unpin(session)
 
     def ready(self) -> Ready:
         return Ready(
@@ -370,9 +373,17 @@ class WsConnection:
     def end_session(self, message: dict[str, Any]) -> SessionEnded:
         """Forget the history; a turn still in flight finishes without being recorded."""
         name = _string_field(message, "session")
-        if self.sessions.pop(name, None) is None:
+        session = self.sessions.pop(name, None)
+        if session is None:
             raise _not_found("session", f"No session {name!r} on this socket.")
+        self._unpin(session)
         return SessionEnded(session=name)
+
+    def _unpin(self, session: ChatSession) -> None:
+        """The session's pinned KV goes back to the prefix cache (reclaimable)."""
+        if session.pinned_as is not None:
+            self.state.engine.end_session(*session.pinned_as)
+            session.pinned_as = None
 
     # ------------------------------------------------------------------ generations
 
@@ -451,6 +462,12 @@ class WsConnection:
             is_chat, prompts = False, service.prepare_completion(req)
             echo_texts = [p.text if req.echo else "" for p in prompts]
         identity: Identity = identity_for(self.key_tenant, req.user, self.connection_id)
+        if session is not None:  # its KV stays pinned between turns
+            key = f"{self.connection_id}/{session.name}"
+            identity = replace(identity, kv_session=key)
+            if session.pinned_as not in (None, (identity.tenant, key)):
+                self._unpin(session)  # the tenant changed (`user`): the old pin goes
+            session.pinned_as = (identity.tenant, key)
         streams = service.submit(
             prompts, req.num_choices, identity, priority=req.priority or 0,
             cache_salt=req.cache_salt,

@@ -42,6 +42,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     VTC_OUTPUT_WEIGHT: Weight = 2.0
     EVICTION_POLICY: Literal["none", "lru", "sink", "h2o"] = "none"
     SESSION_KV_TOKENS: int = 1024  # a session's KV budget when an eviction policy is on
+    # Sessions (WebSocket sessions, X-Session-Id chats) keep their KV pinned between turns: at
+    # most this many tokens per tenant, released after this many idle seconds or when memory
+    # is needed; released KV stays reclaimable in the prefix cache.
+    SESSION_KV_QUOTA_TOKENS: Annotated[int, msgspec.Meta(ge=0)] = 16384
+    SESSION_KV_IDLE_S: Annotated[float, msgspec.Meta(ge=0)] = 300.0
     PREFIX_CACHING: bool = True
     API_KEYS: str = ""  # comma-separated keys or name:key pairs; empty: no auth
     HOST: str = "127.0.0.1"
@@ -61,10 +66,12 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
                 max_inflight_per_tenant=self.MAX_INFLIGHT_PER_TENANT,
                 max_inflight_per_session=self.MAX_INFLIGHT_PER_SESSION,
                 token_cost=TokenCost(self.VTC_INPUT_WEIGHT, self.VTC_OUTPUT_WEIGHT),
+                session_kv_idle_s=self.SESSION_KV_IDLE_S,
             ),
             block_size=self.KV_BLOCK_SIZE,
             max_active_kv_tokens=self.MAX_ACTIVE_KV_TOKENS,
             enable_prefix_caching=self.PREFIX_CACHING,
+            session_kv_quota_tokens=self.SESSION_KV_QUOTA_TOKENS,
         )
 
     @property

@@ -88,6 +88,7 @@ class AsyncEngine:
         self._metrics: ServingMetrics | None = None
         self._tracked: dict[str, _Tracked] = {}
         self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._ended_sessions: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
         self._accepting = True
@@ -177,6 +178,11 @@ class AsyncEngine:
             self._aborts.put(request_id)
             self._wake.set()
 
+    def end_session(self, tenant: str, session: str) -> None:
+        """A conversation is over: its pinned KV is released before the next step."""
+        self._ended_sessions.put((tenant, session))
+        self._wake.set()
+
     # ------------------------------------------------------------------ statistics
 
     def gauges(self) -> EngineGauges:
@@ -232,11 +238,12 @@ class AsyncEngine:
         self._apply_aborts()
 
     def _apply_aborts(self) -> None:
+        """Aborts, then ended sessions (after their aborted turns, which pin nothing)."""
         while True:
             try:
                 request_id = self._aborts.get_nowait()
             except queue.Empty:
-                return
+                break
             tracked = self._tracked.pop(request_id, None)
             if tracked is not None and self.engine.abort(tracked.seq.seq_id):
                 self._push(
@@ -249,6 +256,8 @@ class AsyncEngine:
                     ),
                 )  # fmt: skip
                 self._record_finish(tracked, FinishReason.ABORT)
+        while not self._ended_sessions.empty():
+            self.engine.scheduler.end_session(*self._ended_sessions.get_nowait())
 
     def _deliver(self, outputs: list[tuple[Sequence, StepOutput]]) -> None:
         now = time.monotonic()

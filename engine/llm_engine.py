@@ -43,6 +43,8 @@ class EngineConfig:
     # free memory. Sliding-window layers get only what their window uses, full attention the rest.
     max_active_kv_tokens: int | None = None
     enable_prefix_caching: bool = True
+    # The most KV one tenant's sessions keep pinned between turns; None: no quota.
+    session_kv_quota_tokens: int | None = 16384
 
 
 class LLMEngine:
@@ -62,8 +64,13 @@ class LLMEngine:
         self.max_model_len = backend.max_model_len
         num_blocks = _num_kv_blocks(backend, config)
         self.runner = ModelRunner(backend, num_blocks, config.block_size)
+        quota = config.session_kv_quota_tokens
         self.kv = KVCacheManager(
-            self.runner.cache_groups, num_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.cache_groups,
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            pin_quota_blocks=None if quota is None else quota // config.block_size,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(self.eos_token_ids)

@@ -43,6 +43,9 @@ class Sequence:
     cache_salt: str | None = None  # sequences with different salts never share cached KV
     eviction_policy: str = "none"  # per-session KV eviction: none / lru / sink / h2o
     max_kv_tokens: int | None = None  # this session's KV budget when eviction is on
+    # The conversation whose KV this sequence's blocks stay pinned for once it finishes, so the
+    # next turn prefills only its new tokens (engine.kv.manager: session pins); None: no pin.
+    kv_session: str | None = None
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)

@@ -102,7 +102,8 @@ def check_cache(cache: PrefixCache) -> None:
 
 
 def check_manager(kv: KVCacheManager) -> None:
-    """Every block's ref_count equals the number of block-table entries pointing at it."""
+    """Every block's ref_count equals the number of block-table entries and session pins
+    pointing at it."""
     for pool in kv.pools.values():
         check_pool(pool)
     check_cache(kv.cache)
@@ -110,6 +111,9 @@ def check_manager(kv: KVCacheManager) -> None:
     for state in kv._seqs.values():
         for group, table in state.tables.items():
             held[group].update(b.block_id for b in table if b is not None)
+    for pin in kv._pins.values():  # a session pin holds one reference per block
+        for block in pin.blocks:
+            held[block.group][block.block_id] += 1
     for group, pool in kv.pools.items():
         for block in pool.blocks:
             assert block.ref_count == held[group][block.block_id], block

@@ -10,6 +10,15 @@ Lifecycle of a sequence, as driven by the scheduler and the engine:
     kv.record_attention(seq, mass, slots)  # only for sequences with kv.wants_attention(seq)
     kv.commit(seq)                         # after each step that advanced seq
     kv.free(seq)                           # finished, aborted or preempted
+    kv.free(seq, pin_at=now)               # finished turn of a session: keep its KV pinned
+
+Session pins. A finished turn of a conversation (seq.kv_session) keeps references on its
+published blocks, so other traffic cannot reclaim them and the next turn, whose prompt extends
+this one, prefills only its new tokens. A session's new pin replaces its old one. Pins yield
+whenever memory is needed: the scheduler releases the least recently used pin before it
+shrinks a chunk or preempts (release_oldest_pin), a tenant's pins beyond its quota are
+released oldest first, and idle pins are released by unpin_idle(). A released pin's blocks
+stay in the prefix cache, reclaimable: nothing is lost, at worst recomputed.
 
 One block pool per cache group ("full", "sliding"), each of its own size (engine.kv.sizing:
 sliding groups only get what their window can use); physical block ids are per group, and the
@@ -20,6 +29,7 @@ table[p // block_size] at offset p % block_size; its slot is block_id * block_si
 
 from __future__ import annotations
 
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
@@ -52,6 +62,15 @@ class BlockCopy:
 
 
 @dataclass
+class _Pin:
+    """A session's pinned blocks (one reference each) and when its last turn ended."""
+
+    tenant: str
+    blocks: list[Block]
+    last_used: float
+
+
+@dataclass
 class _SeqBlocks:
     """What the manager knows about one sequence holding blocks."""
 
@@ -73,6 +92,8 @@ class KVCacheManager:
     enable_prefix_caching: share and reuse full blocks across sequences (radix tree +
         exact-match index); when off, blocks are freed as soon as nobody holds them.
     sink_tokens, h2o_recent_fraction: parameters of the `sink` and `h2o` eviction policies.
+    pin_quota_blocks: the most primary-group blocks one tenant's session pins may hold; None:
+        no quota (pins still yield to memory pressure).
     """
 
     def __init__(
@@ -83,6 +104,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         sink_tokens: int = 4,
         h2o_recent_fraction: float = 0.5,
+        pin_quota_blocks: int | None = None,
     ) -> None:
         if not groups:
             raise ValueError("the KV cache needs at least one cache group")
@@ -107,6 +129,10 @@ class KVCacheManager:
         }
         self._seqs: dict[int, _SeqBlocks] = {}
         self._copies: list[BlockCopy] = []
+        self.pin_quota_blocks = pin_quota_blocks
+        # (tenant, session) -> its pin, least recently used first.
+        self._pins: OrderedDict[tuple[str, str], _Pin] = OrderedDict()
+        self.num_released_pins = 0  # by pressure, quota or idleness (not by unpin())
         self.num_cow_copies = 0
         self.num_evicted_blocks = 0  # dropped by per-session eviction policies
         self.num_window_freed_blocks = 0  # dropped by sliding windows
@@ -120,8 +146,9 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks allocate() can still hand out (free + cached-unused) in the primary group."""
-        return self.pools[self.primary].num_available
+        """Blocks free for new work in the primary group: free, cached-unused, or held only by
+        session pins (released on demand)."""
+        return self._num_free(self.primary)
 
     @property
     def is_exhausted(self) -> bool:
@@ -130,9 +157,16 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks held by sequences (0..1) in the most used group; cache-only
-        blocks count as free."""
-        return max(1.0 - pool.num_available / pool.num_total for pool in self.pools.values())
+        """Fraction of blocks held by sequences (0..1) in the most used group; blocks only
+        cached or only pinned count as free."""
+        return max(1.0 - self._num_free(g) / pool.num_total for g, pool in self.pools.items())
+
+    def _num_free(self, group: str) -> int:
+        pin_refs: Counter[Block] = Counter(
+            block for pin in self._pins.values() for block in pin.blocks if block.group == group
+        )
+        only_pinned = sum(block.ref_count == refs for block, refs in pin_refs.items())
+        return self.pools[group].num_available + only_pinned
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks allocate(seq, num_new_tokens) would take now, in the group needing most
@@ -240,14 +274,16 @@ class KVCacheManager:
         self._free_out_of_window(state, seq.num_computed_tokens)
         self._evict(seq, state)
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: Sequence, pin_at: float | None = None) -> None:
         """Release every block seq holds (finished, aborted or preempted); idempotent.
 
         Full computed blocks are published first and stay in the prefix cache, so a
         session's next turn, a repeated prompt or a preempted sequence's recompute hits
         them; they are reclaimed least-recently-used when memory is needed. The prompt's
         partial last block is kept in the exact-match index when nothing else holds it.
-        Does not touch seq's fields (the scheduler resets num_computed_tokens on preemption).
+        With `pin_at` (a time) and seq.kv_session set, the published blocks stay pinned for
+        that session (see the module doc). Does not touch seq's fields (the scheduler resets
+        num_computed_tokens on preemption).
         """
         state = self._seqs.pop(seq.seq_id, None)
         if state is None:
@@ -255,6 +291,8 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self._publish(seq, state)
             self._register_prompt(seq, state, final=True)
+            if pin_at is not None and seq.kv_session is not None:
+                self._pin(seq, state, pin_at)
         for group, table in state.tables.items():
             pool = self.pools[group]
             for block in reversed(table):  # deepest first: leaves are reclaimed before parents
@@ -266,6 +304,80 @@ class KVCacheManager:
         engine hands them to the backend, which applies them before the forward."""
         copies, self._copies = self._copies, []
         return copies
+
+    # ------------------------------------------------------------------ session pins
+
+    def unpin(self, tenant: str, session: str) -> bool:
+        """Release a session's pin (its conversation ended); False if it had none."""
+        pin = self._pins.pop((tenant, session), None)
+        if pin is None:
+            return False
+        self._drop(pin)
+        return True
+
+    def release_oldest_pin(self) -> bool:
+        """Release the least recently used pin to make room; False if there is none."""
+        if not self._pins:
+            return False
+        _, pin = self._pins.popitem(last=False)
+        self._drop(pin)
+        self.num_released_pins += 1
+        return True
+
+    def unpin_idle(self, before: float) -> int:
+        """Release the pins whose last turn ended before `before`; how many."""
+        released = 0
+        while self._pins:
+            key, pin = next(iter(self._pins.items()))
+            if pin.last_used >= before:
+                break
+            del self._pins[key]
+            self._drop(pin)
+            released += 1
+        self.num_released_pins += released
+        return released
+
+    def pinned_blocks(self, tenant: str | None = None) -> int:
+        """Primary-group blocks held by session pins (of one tenant, or of everyone)."""
+        return sum(
+            sum(block.group == self.primary for block in pin.blocks)
+            for pin in self._pins.values()
+            if tenant is None or pin.tenant == tenant
+        )
+
+    def _pin(self, seq: Sequence, state: _SeqBlocks, now: float) -> None:
+        """Pin seq's published blocks for its session, replacing the session's old pin; then
+        release the tenant's oldest pins while it is over its quota. A turn larger than the
+        whole quota is not pinned."""
+        assert seq.kv_session is not None
+        key = (seq.tenant, seq.kv_session)
+        blocks = [
+            block
+            for index in range(len(state.path))
+            for block in self._held_at(state, index).values()
+        ]
+        quota = self.pin_quota_blocks
+        old = self._pins.pop(key, None)
+        if quota is not None and sum(b.group == self.primary for b in blocks) > quota:
+            blocks = []
+        for block in blocks:
+            self.pools[block.group].incref(block)
+        if old is not None:
+            self._drop(old)  # after the new references: blocks in both stay held
+        if not blocks:
+            return
+        self._pins[key] = _Pin(seq.tenant, blocks, now)
+        if quota is None:
+            return
+        for other in [k for k, pin in self._pins.items() if pin.tenant == seq.tenant]:
+            if self.pinned_blocks(seq.tenant) <= quota:
+                break
+            self._drop(self._pins.pop(other))  # this tenant's oldest first
+            self.num_released_pins += 1
+
+    def _drop(self, pin: _Pin) -> None:
+        for block in reversed(pin.blocks):  # deepest first, as sequences release
+            self.pools[block.group].decref(block)
 
     # ------------------------------------------------------------------ addressing
 
@@ -344,6 +456,9 @@ class KVCacheManager:
             "num_free_blocks": self.num_free_blocks,
             "usage": self.usage,
             "num_sequences": len(self._seqs),
+            "pinned_sessions": len(self._pins),
+            "pinned_blocks": self.pinned_blocks(),
+            "released_pins": self.num_released_pins,
             "groups": {
                 name: {
                     "total": pool.num_total,
