@@ -16,6 +16,7 @@ import itertools
 from functools import cache
 
 from engine.request import FinishReason
+from engine.sched.stats import ServiceGapTracker, TenantStats
 from tests.sched_driver import make_kv, make_scheduler, make_seq, run_step
 
 PROMPT_LENS = (5, 12, 8, 3)
@@ -115,3 +116,14 @@ def test_every_accepted_request_completes_despite_preemptions():
         mine = [s for s in seqs if s.tenant == tenant]
         expected = sum(W_P * s.num_prompt_tokens + W_Q * s.num_output_tokens for s in mine)
         assert stats.tenants[tenant].service == expected
+
+
+def test_the_live_gap_tracker_counts_prefilling_tenants_as_backlogged():
+    tracker = ServiceGapTracker()
+    queued = {"a": TenantStats(waiting=1, service=10.0), "b": TenantStats(prefilling=1)}
+    tracker.observe(queued)
+    tracker.observe({"a": TenantStats(waiting=1, service=40.0), "b": TenantStats(prefilling=1)})
+    assert tracker.current() == (30.0, ("a", "b"))
+    # b only decodes now: no longer backlogged, the stretch ends; the largest gap is kept.
+    tracker.observe({"a": TenantStats(waiting=1, service=90.0), "b": TenantStats(running=1)})
+    assert tracker.current() == (0.0, None) and tracker.max_seen == 30.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.sched.policy import FcfsPolicy, PriorityPolicy, TokenCost, VtcPolicy, make_policy
-from tests.sched_driver import make_kv, make_scheduler, make_seq, run_step
+from tests.sched_driver import make_kv, make_scheduler, make_seq, plan, run_step
 
 
 def admission_order(policy: str, seqs) -> list[int]:
@@ -152,8 +152,8 @@ def test_vtc_lift_on_an_empty_queue_uses_the_tenant_that_last_left_it():
     x, y = make_seq(2, tenant="x"), make_seq(2, tenant="y")
     vtc.charge("x", 40, 0)
     vtc.charge("y", 25, 0)
-    vtc.on_admitted(x)
-    vtc.on_admitted(y)  # y left last
+    vtc.on_prefilled(x)
+    vtc.on_prefilled(y)  # y left last
     vtc.on_arrival(make_seq(2, tenant="z"), [])
     assert vtc.counter("z") == 25.0  # c_l of y, not the larger counter of x
 
@@ -172,3 +172,53 @@ def test_vtc_lift_through_the_scheduler():
     assert sched.policy.counter("B") == 10.0
     stats = sched.stats()
     assert stats.tenants["B"].counter == 10.0 and stats.tenants["B"].service == 0.0
+
+
+def prefill_trace(policy: str) -> tuple[list, int, int]:
+    """A heavy tenant's 40-token prompt is being prefilled 8 tokens a step when a light
+    tenant's 6-token prompt arrives; returns (the steps' plans, H's and L's seq ids)."""
+    sched = make_scheduler(policy=policy, max_num_batched_tokens=8, max_num_seqs=4)
+    heavy = make_seq(40, max_tokens=2, tenant="H")
+    sched.add(heavy)
+    plans = [plan(run_step(sched))]
+    light = make_seq(6, max_tokens=1, tenant="L")
+    sched.add(light)
+    while sched.has_work:
+        plans.append(plan(run_step(sched)))
+    return plans, heavy.seq_id, light.seq_id
+
+
+def test_vtc_gives_the_step_budget_to_the_least_served_tenant_before_running_prefills():
+    plans, h, light = prefill_trace("vtc")
+    # L arrives while H's prompt queues for prefill: lifted to H's counter (8), a tie, which
+    # goes to the shorter rest of a prompt (L's 6 tokens against H's 32); H takes what is left.
+    assert plans == [
+        [(h, 0, 8, False)],
+        [(light, 0, 6, True), (h, 8, 2, False)],
+        [(h, 10, 8, False)],
+        [(h, 18, 8, False)],
+        [(h, 26, 8, False)],
+        [(h, 34, 6, True)],
+        [(h, 40, 1, True)],
+    ]
+
+
+def test_fcfs_prefills_running_prompts_before_admitting_anyone():
+    plans, h, light = prefill_trace("fcfs")
+    assert plans == [
+        [(h, 0, 8, False)],
+        [(h, 8, 8, False)],
+        [(h, 16, 8, False)],
+        [(h, 24, 8, False)],
+        [(h, 32, 8, True)],
+        [(h, 40, 1, True), (light, 0, 6, True)],
+    ]
+
+
+def test_vtc_lift_counts_running_prompts_still_prefilling_as_queued():
+    sched = make_scheduler(policy="vtc", max_num_batched_tokens=8, max_num_seqs=4)
+    sched.add(make_seq(40, max_tokens=2, tenant="H"))
+    run_step(sched)
+    run_step(sched)  # H: 16 prompt tokens charged, its request still prefilling
+    sched.add(make_seq(4, tenant="L"))
+    assert not sched.waiting[1:] and sched.policy.counter("L") == 16.0

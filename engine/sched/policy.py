@@ -1,14 +1,16 @@
-"""Scheduling policies: which waiting sequence is admitted next, and who is charged for service.
+"""Scheduling policies: which waiting sequence is admitted next, who gets a step's prefill
+tokens first, and who is charged for service.
 
-The scheduler owns the queues; a policy only orders the waiting queue and keeps whatever
-per-tenant accounting it needs. Policies are chosen by name (`make_policy`):
+The scheduler owns the queues; a policy only orders them and keeps whatever per-tenant
+accounting it needs. Policies are chosen by name (`make_policy`):
 
 - "fcfs":     queue order, i.e. arrival order (a preempted sequence goes back to the front).
               Priority is ignored.
 - "priority": the most urgent first (lowest `Sequence.priority`), then queue order.
 - "vtc":      the Virtual Token Counter of Sheng et al., "Fairness in Serving Large Language
-              Models" (OSDI 2024), Algorithm 2: admit from the backlogged tenant with the
-              smallest counter; within that tenant, most urgent priority first, then queue order.
+              Models" (OSDI 2024), Algorithm 2: admit and prefill for the backlogged tenant
+              with the smallest counter; within that tenant, most urgent priority first, then
+              queue order.
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ class Policy(ABC):
 
     name: ClassVar[str]
 
-    def on_arrival(self, seq: Sequence, waiting: SequenceOf[Sequence]) -> None:  # noqa: B027
-        """A new request is about to join `waiting` (the queue before it joins).
+    def on_arrival(self, seq: Sequence, queued: SequenceOf[Sequence]) -> None:  # noqa: B027
+        """A new request is about to join the waiting queue. `queued`: the sequences waiting
+        for prefill tokens before it joins (the waiting queue, then running sequences whose
+        prompt is not all computed).
 
         Not called when a preempted sequence returns to the queue: that is not new work.
         """
@@ -56,8 +60,14 @@ class Policy(ABC):
     def select(self, waiting: SequenceOf[Sequence]) -> Sequence:
         """The sequence to admit next from `waiting` (non-empty, in queue order)."""
 
-    def on_admitted(self, seq: Sequence) -> None:  # noqa: B027
-        """`seq` left the waiting queue to run."""
+    def prefill_rank(self, seq: Sequence) -> tuple[float, int]:
+        """Which sequence gets a step's prefill tokens first, lowest first, whether it is
+        running or the pick from the waiting queue. Equal ranks (the default) leave the
+        scheduler's order: running sequences before admissions, most urgent first."""
+        return (0.0, 0)
+
+    def on_prefilled(self, seq: Sequence) -> None:  # noqa: B027
+        """The last of `seq`'s prompt is scheduled: it no longer waits for prefill tokens."""
 
     def charge(  # noqa: B027
         self, tenant: str, num_prompt_tokens: int, num_output_tokens: int
@@ -89,20 +99,25 @@ class PriorityPolicy(Policy):
 
 
 class VtcPolicy(Policy):
-    """Virtual Token Counter (Sheng et al., OSDI 2024, Algorithm 2).
+    """Virtual Token Counter (Sheng et al., OSDI 2024, Algorithm 2), over chunked prefill.
 
     Each tenant u has a counter c_u, charged w_p per prompt token computed and w_q per
-    output token as they are served. Admission picks the tenant with the smallest counter
-    among those with requests in the waiting queue Q (ties: the tenant whose request is
-    nearest the head of Q), and from it the most urgent request (priority, then queue order).
+    output token as they are served. The paper's queue Q holds requests not yet prefilled;
+    its server prefills a prompt whole on admission. Ours prefills in chunks under a step
+    budget, so Q here is every sequence still waiting for prefill tokens: the waiting queue
+    and the running sequences whose prompt is not all computed. The step's prefill tokens go
+    to the tenant with the smallest counter among those in Q (`prefill_rank`; a chunk is a
+    piece of the paper's admission), and admission from the waiting queue picks that tenant
+    too (ties: the tenant whose request is nearest the head), then its most urgent request
+    (priority, then queue order).
 
-    Counter lift, exactly as in the paper's monitoring stream: when a request of u arrives
-    and u has no request in Q,
+    Counter lift, as in the paper's monitoring stream: when a request of u arrives and u has
+    no request in Q,
       - if Q is empty:      c_u <- max(c_u, c_l), l the tenant whose request last left Q;
       - else:               c_u <- max(c_u, min{c_i : i has a request in Q}).
-    So a tenant that was idle (or only had running requests) banks no credit for that time.
-    Note the rule looks at Q only, not at running requests; a request "leaves Q" here when
-    it is admitted to run (an aborted request leaving Q does not update l).
+    So a tenant that was idle (or only had decoding requests) banks no credit for that time.
+    A request leaves Q when the last of its prompt is scheduled (an aborted request leaving
+    Q does not update l).
     """
 
     name = "vtc"
@@ -115,17 +130,17 @@ class VtcPolicy(Policy):
     def counter(self, tenant: str) -> float:
         return self._counters.get(tenant, 0.0)
 
-    def on_arrival(self, seq: Sequence, waiting: SequenceOf[Sequence]) -> None:
+    def on_arrival(self, seq: Sequence, queued: SequenceOf[Sequence]) -> None:
         tenant = seq.tenant
         current = self.counter(tenant)
         self._counters[tenant] = current
-        if any(other.tenant == tenant for other in waiting):
+        if any(other.tenant == tenant for other in queued):
             return
-        if not waiting:
+        if not queued:
             if self._last_left is not None:
                 self._counters[tenant] = max(current, self.counter(self._last_left))
         else:
-            floor = min(self.counter(other.tenant) for other in waiting)
+            floor = min(self.counter(other.tenant) for other in queued)
             self._counters[tenant] = max(current, floor)
 
     def select(self, waiting: SequenceOf[Sequence]) -> Sequence:
@@ -134,7 +149,13 @@ class VtcPolicy(Policy):
         tenant = min(tenants, key=self.counter)
         return min((seq for seq in waiting if seq.tenant == tenant), key=lambda seq: seq.priority)
 
-    def on_admitted(self, seq: Sequence) -> None:
+    def prefill_rank(self, seq: Sequence) -> tuple[float, int]:
+        """The tenant's counter: prefill chunks, like admissions, go to the tenant in Q
+        served least so far. On equal counters (a tenant lifted on arrival ties with the
+        least served one) the shorter rest of a prompt goes first: it leaves Q sooner."""
+        return (self.counter(seq.tenant), seq.num_tokens - seq.num_computed_tokens)
+
+    def on_prefilled(self, seq: Sequence) -> None:
         self._last_left = seq.tenant
 
     def charge(self, tenant: str, num_prompt_tokens: int, num_output_tokens: int) -> None:

@@ -45,6 +45,7 @@ class SchedulerConfig:
     max_inflight_per_session: int | None = None
     token_cost: TokenCost = field(default_factory=TokenCost)  # w_p, w_q for vtc and the ledger
     retry_window_s: float = 30.0  # completions counted for the Retry-After estimate
+    session_kv_idle_s: float | None = 300.0  # session pins idle this long are released
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue_len"):
@@ -65,13 +66,17 @@ class Scheduler:
     """Decides, step by step, which tokens of which sequences the model computes.
 
     Each schedule():
-      1. Running sequences, most urgent first (lower priority value, then earlier arrival):
-         every decode gets 1 token, then sequences still prefilling get a chunk of what is
-         left of the step's token budget (max_num_batched_tokens).
-      2. Freed capacity is filled from the waiting queue in the policy's order, each new
-         sequence getting a prefill chunk from the remaining budget, until max_num_seqs
-         run, the budget is spent, or the policy's pick does not fit the KV cache (then
-         admission stops for this step, so a large request is not starved by smaller ones).
+      1. Every running decode gets its 1 token, most urgent first (lower priority value,
+         then earlier arrival).
+      2. The rest of the step's token budget (max_num_batched_tokens) goes out as prefill
+         chunks, one sequence at a time, each getting as much as is left. The candidates are
+         the running sequences still prefilling and, while fewer than max_num_seqs run, the
+         policy's pick from the waiting queue (admitted with its first chunk). The policy's
+         prefill rank chooses among them (vtc: the tenant with the smallest counter, charged
+         as chunks are given out; fcfs and priority rank all alike), then running sequences
+         before admissions, most urgent first. When the policy's pick does not fit the KV
+         cache, admission stops for this step, so a large request is not starved by smaller
+         ones.
     A long prompt is thus prefilled over several steps and never delays anyone's next token.
 
     Preemption rule: a running sequence's prefill chunk shrinks to the KV blocks free; when
@@ -145,7 +150,7 @@ class Scheduler:
             if not result.accepted:
                 self.rejected[result.status.value] += 1
                 return result
-            self.policy.on_arrival(seq, self.waiting)
+            self.policy.on_arrival(seq, self._prefill_queue())
             self.waiting.append(seq)
             self._seqs[seq.seq_id] = seq
             self._inflight.add(seq)
@@ -191,29 +196,38 @@ class Scheduler:
         with self._lock:
             out = SchedulerOutput(finished=self._finished_ids)
             self._finished_ids = []
+            if self.config.session_kv_idle_s is not None:
+                self.kv.unpin_idle(self._clock() - self.config.session_kv_idle_s)
             budget = self.config.max_num_batched_tokens
             by_urgency = sorted(self.running, key=_urgency)
-            decodes = [s for s in by_urgency if self._remaining(s) == 1]
-            prefills = [s for s in by_urgency if self._remaining(s) > 1]
             pending = {s.seq_id: s for s in by_urgency}  # running, not yet scheduled this step
-            for seq in decodes + prefills:
+            for decode in [s for s in by_urgency if self._remaining(s) == 1]:
                 if budget == 0:
                     break
-                if seq.seq_id not in pending:
-                    continue  # preempted earlier in this step
-                wanted = min(self._remaining(seq), budget)
-                num_new = self._allocate_or_preempt(seq, wanted, pending, out)
-                if num_new == 0:
-                    continue  # seq itself was preempted
-                del pending[seq.seq_id]
-                self._add_to_step(out, seq, num_new)
+                if decode.seq_id in pending:  # else preempted earlier in this step
+                    budget -= self._run_chunk(decode, 1, pending, out)
+            admitting = True  # until the policy's pick does not fit the KV cache
+            while budget > 0 and (seq := self._next_prefill(pending, admitting)) is not None:
+                if seq.status is SequenceStatus.RUNNING:
+                    num_new = self._run_chunk(seq, min(self._remaining(seq), budget), pending, out)
+                else:
+                    num_new = self._admit(seq, budget, out)
+                    admitting = num_new > 0
                 budget -= num_new
-            while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
-                num_new = self._admit(self.policy.select(self.waiting), budget, out)
-                if num_new == 0:
-                    break
-                budget -= num_new
+                if num_new and out.scheduled[-1].samples:
+                    self.policy.on_prefilled(seq)  # its whole prompt is scheduled
             return out
+
+    def _prefill_queue(self) -> list[Sequence]:
+        """The sequences waiting for prefill tokens: the waiting queue, then running
+        sequences whose prompt is not all computed (chunked prefill serves a prompt piece by
+        piece, so these still queue for the step's budget)."""
+        return self.waiting + [s for s in self.running if self._remaining(s) > 1]
+
+    def end_session(self, tenant: str, session: str) -> bool:
+        """A conversation ended: release its pinned KV to the prefix cache (reclaimable)."""
+        with self._lock:
+            return self.kv.unpin(tenant, session)
 
     def update(
         self, output: SchedulerOutput, finished: Mapping[int, FinishReason] | None = None
@@ -245,6 +259,10 @@ class Scheduler:
                 tenants[name] = TenantStats(
                     running=sum(s.tenant == name for s in self.running),
                     waiting=sum(s.tenant == name for s in self.waiting),
+                    prefilling=sum(
+                        s.tenant == name and s.num_tokens - s.num_computed_tokens > 1
+                        for s in self.running
+                    ),
                     prompt_tokens=usage.prompt_tokens if usage else 0,
                     output_tokens=usage.output_tokens if usage else 0,
                     service=usage.service if usage else 0.0,
@@ -311,6 +329,37 @@ class Scheduler:
             )
         return remaining
 
+    def _run_chunk(
+        self, seq: Sequence, wanted: int, pending: dict[int, Sequence], out: SchedulerOutput
+    ) -> int:
+        """Schedule up to `wanted` tokens of a running seq (fewer if blocks are short); 0 when
+        seq itself was preempted to make room."""
+        num_new = self._allocate_or_preempt(seq, wanted, pending, out)
+        if num_new:
+            del pending[seq.seq_id]
+            self._add_to_step(out, seq, num_new)
+        return num_new
+
+    def _next_prefill(self, pending: dict[int, Sequence], admitting: bool) -> Sequence | None:
+        """Who gets the step's next prefill tokens: a running sequence still prefilling, or the
+        policy's pick from the waiting queue while a batch slot is free and admission is open.
+        The policy's prefill rank decides first (vtc: the tenant with the smallest counter, so
+        an under-served tenant's prompt is not queued behind others' long prompts); on a tie,
+        running sequences before admissions, each most urgent first."""
+        candidates = [s for s in pending.values() if self._remaining(s) > 1]
+        if admitting and self.waiting and len(self.running) < self.config.max_num_seqs:
+            candidates.append(self.policy.select(self.waiting))
+        if not candidates:
+            return None
+        return min(
+            candidates,
+            key=lambda s: (
+                *self.policy.prefill_rank(s),
+                s.status is not SequenceStatus.RUNNING,
+                _urgency(s),
+            ),
+        )
+
     def _allocate_or_preempt(
         self, seq: Sequence, wanted: int, pending: dict[int, Sequence], out: SchedulerOutput
     ) -> int:
@@ -320,6 +369,8 @@ class Scheduler:
         was preempted."""
         while True:
             num_new = self._largest_fit(seq, wanted)
+            if num_new < wanted and self.kv.release_oldest_pin():
+                continue  # idle sessions' pinned KV goes before chunks shrink or anyone waits
             if num_new and self.kv.allocate(seq, num_new):
                 return num_new
             victim = max(pending.values(), key=_urgency)
@@ -354,6 +405,8 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Move seq from waiting to running with a first chunk of at most `budget` tokens.
         Returns the chunk size, or 0 (changing nothing) when its blocks do not fit."""
+        while self.kv.is_exhausted and self.kv.release_oldest_pin():
+            pass
         if self.kv.is_exhausted:
             return 0  # every step computes at least one token into a fresh or copied block
         cached_before = seq.num_cached_prompt_tokens
@@ -362,6 +415,8 @@ class Scheduler:
             # A recompute hits the sequence's own blocks; report the first admission's hit.
             seq.num_cached_prompt_tokens = cached_before
         num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        while not self.kv.can_allocate(seq, num_new) and self.kv.release_oldest_pin():
+            pass
         if not self.kv.allocate(seq, num_new):
             self.kv.free(seq)
             seq.num_computed_tokens = 0
@@ -370,7 +425,6 @@ class Scheduler:
         self.waiting.remove(seq)
         self.running.append(seq)
         seq.status = SequenceStatus.RUNNING
-        self.policy.on_admitted(seq)
         self._add_to_step(out, seq, num_new)
         return num_new
 
@@ -393,7 +447,8 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
-        self.kv.free(seq)
+        # A session's finished turn keeps its KV pinned for the next turn; an aborted one not.
+        self.kv.free(seq, pin_at=None if reason is FinishReason.ABORT else self._clock())
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._seqs[seq.seq_id]

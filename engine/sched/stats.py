@@ -41,6 +41,7 @@ class TenantLedger:
 class TenantStats:
     running: int = 0
     waiting: int = 0
+    prefilling: int = 0  # running, prompt not all computed: still queued for prefill tokens
     prompt_tokens: int = 0
     output_tokens: int = 0
     service: float = 0.0
@@ -66,7 +67,8 @@ class SchedulerStats:
 
 class ServiceGapTracker:
     """The VTC paper's fairness measure, observed live: for two tenants backlogged (with
-    requests waiting) at every observation of a stretch, the largest |W_f(t1, t2) - W_g(t1, t2)|
+    requests waiting for prefill tokens: queued, or running with prompt left) at every
+    observation of a stretch, the largest |W_f(t1, t2) - W_g(t1, t2)|
     over t1 < t2 in it, W being weighted service. Sheng et al. (OSDI 2024, §4) bound it
     by 2 max(w_p L_input, w_q M) under VTC; FCFS lets it grow without bound.
 
@@ -80,7 +82,7 @@ class ServiceGapTracker:
 
     def observe(self, tenants: Mapping[str, TenantStats]) -> None:
         """Extend the stretches of pairs still both backlogged; end the others."""
-        backlogged = sorted(name for name, t in tenants.items() if t.waiting > 0)
+        backlogged = sorted(name for name, t in tenants.items() if t.waiting + t.prefilling > 0)
         stretches: dict[tuple[str, str], tuple[float, float]] = {}
         for i, f in enumerate(backlogged):
             for g in backlogged[i + 1 :]:

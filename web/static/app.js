@@ -125,7 +125,7 @@ function renderTenants(tenants, fairness) {
       const title = document.createElement("b");
       title.textContent = name;
       const detail = document.createElement("span");
-      detail.textContent = `${t.running} running · ${t.waiting} waiting`;
+      detail.textContent = `${t.running} running (${t.prefilling} prefilling) · ${t.waiting} waiting`;
       const ttft = document.createElement("span");
       ttft.className = "ttft-p95";
       const latency = fairness.tenants[name]?.ttft_s;
