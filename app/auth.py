@@ -3,13 +3,17 @@
 With API_KEYS set, every /v1 call needs `Authorization: Bearer <key>`; the key's name is the
 tenant. Without keys, the OpenAI `user` field (else a default tenant) is the tenant. The
 session is `X-Session-Id`, else `user`; a chat with `X-Session-Id` also keeps its KV pinned
-between turns under that id.
+between turns under that id. The guards below put the same check on routes that only need a
+key, not a tenant: the load generator, and (OPS_AUTH=keys) the metrics and dashboard data.
 """
 
 from __future__ import annotations
 
 import hmac
 from collections.abc import Mapping
+
+from litestar.connection import ASGIConnection
+from litestar.handlers import BaseRouteHandler
 
 from app.generation import Identity
 from compat.errors import invalid_api_key, missing_api_key
@@ -30,6 +34,19 @@ def tenant_for_key(api_keys: Mapping[str, str], authorization: str | None) -> st
         if hmac.compare_digest(key.encode(), token.encode()):  # constant time
             return tenant
     raise invalid_api_key()
+
+
+def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    """Litestar guard: with API_KEYS set, a valid bearer key (401 otherwise)."""
+    settings = connection.app.state.server.settings
+    tenant_for_key(settings.api_keys, connection.headers.get("authorization"))
+
+
+def require_ops_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    """Litestar guard for /metrics, /api/metrics and the dashboard's data: a valid bearer key
+    when OPS_AUTH=keys and API_KEYS is set (401 otherwise); open otherwise."""
+    settings = connection.app.state.server.settings
+    tenant_for_key(settings.ops_keys, connection.headers.get("authorization"))
 
 
 def identity_for(

@@ -12,12 +12,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import structlog
-from litestar import Litestar, Request
+from litestar import Litestar, Request, Router
 from litestar.openapi import OpenAPIConfig
 
 from app import routes_openai, routes_ops, routes_ws
 from app.errors import EXCEPTION_HANDLERS
 from app.logging import configure_logging
+from app.origin import websocket_origin_guard
 from app.server import build_server_state
 from app.settings import Settings, load_settings
 from web import routes as web_routes
@@ -52,7 +53,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
         route_handlers=[
             *routes_openai.ROUTES,
             *routes_ops.ROUTES,
-            *routes_ws.ROUTES,
+            # The Origin check guards the socket's handshake (cross-site WebSocket hijacking).
+            Router("/", route_handlers=routes_ws.ROUTES, guards=[websocket_origin_guard]),
             *web_routes.ROUTES,
         ],
         lifespan=[lifespan],

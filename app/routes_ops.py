@@ -1,4 +1,7 @@
-"""Operational routes: health, Prometheus metrics, the dashboard's JSON snapshot."""
+"""Operational routes: health, Prometheus metrics, the dashboard's JSON snapshot.
+
+/health is always open (load balancers probe it); the metrics need a key with OPS_AUTH=keys.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import msgspec
 from litestar import Request, Response, get
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from app.auth import require_ops_key
 from app.server import ServerState
 
 
@@ -21,14 +25,14 @@ async def health(request: Request) -> Response:
     return Response(b'{"status":"unavailable"}', status_code=503, media_type="application/json")
 
 
-@get("/metrics")
+@get("/metrics", guards=[require_ops_key])
 async def metrics(request: Request) -> Response:
     state = _state(request)
     state.metrics.update_gauges(state.engine.gauges())
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@get("/api/metrics")
+@get("/api/metrics", guards=[require_ops_key])
 async def metrics_json(request: Request) -> Response:
     state = _state(request)
     snapshot = state.engine.snapshot()

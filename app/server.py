@@ -51,7 +51,7 @@ def build_server_state(settings: Settings, created: int) -> ServerState:
             settings.engine_config(),
         )
 
-    async_engine = AsyncEngine(build_engine)
+    async_engine = AsyncEngine(build_engine, metrics_max_tenants=settings.METRICS_MAX_TENANTS)
     async_engine.start()
     engine = async_engine.engine
     service = GenerationService(

@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 import msgspec
 from dotenv import dotenv_values
 
+from app.origin import normalize_origin
 from engine.llm_engine import EngineConfig
 from engine.sched.policy import TokenCost
 from engine.sched.scheduler import SchedulerConfig
@@ -47,8 +48,21 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     # is needed; released KV stays reclaimable in the prefix cache.
     SESSION_KV_QUOTA_TOKENS: Annotated[int, msgspec.Meta(ge=0)] = 16384
     SESSION_KV_IDLE_S: Annotated[float, msgspec.Meta(ge=0)] = 300.0
+    # Tenants come from the `user` field without keys, so a client can name one per request:
+    # an idle tenant's counters and service are forgotten after TENANT_IDLE_S, or least
+    # recently active first beyond MAX_IDLE_TENANTS; per-tenant Prometheus series and TTFT
+    # windows are kept for at most METRICS_MAX_TENANTS tenants.
+    TENANT_IDLE_S: Annotated[float, msgspec.Meta(ge=0)] = 600.0
+    MAX_IDLE_TENANTS: Annotated[int, msgspec.Meta(ge=0)] = 1024
+    METRICS_MAX_TENANTS: Annotated[int, msgspec.Meta(ge=1)] = 64
     PREFIX_CACHING: bool = True
     API_KEYS: str = ""  # comma-separated keys or name:key pairs; empty: no auth
+    # With API_KEYS: "keys" also requires a key for /metrics, /api/metrics and the dashboard's
+    # data; "none" leaves them open, as vLLM leaves /metrics.
+    OPS_AUTH: Literal["none", "keys"] = "none"
+    # Browser origins that may open WS /v1/ws besides the server's own ("*": any). Clients that
+    # send no Origin (not browsers) are always let through; see app/origin.py.
+    WS_ALLOWED_ORIGINS: str = ""
     HOST: str = "127.0.0.1"
     PORT: int = 8000
     LOG_FORMAT: Literal["console", "json"] = "console"
@@ -67,6 +81,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
                 max_inflight_per_session=self.MAX_INFLIGHT_PER_SESSION,
                 token_cost=TokenCost(self.VTC_INPUT_WEIGHT, self.VTC_OUTPUT_WEIGHT),
                 session_kv_idle_s=self.SESSION_KV_IDLE_S,
+                tenant_idle_s=self.TENANT_IDLE_S,
+                max_idle_tenants=self.MAX_IDLE_TENANTS,
             ),
             block_size=self.KV_BLOCK_SIZE,
             max_active_kv_tokens=self.MAX_ACTIVE_KV_TOKENS,
@@ -76,12 +92,29 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
 
     @property
     def api_keys(self) -> dict[str, str]:
-        """key -> tenant name ("name:key" names the tenant; a bare key is its own name)."""
+        """key -> tenant name. "name:key" names the tenant; a bare key is named by its place in
+        the list ("key-2"), never by itself: tenant names appear in logs, metrics and the
+        dashboard."""
         keys: dict[str, str] = {}
-        for item in filter(None, (part.strip() for part in self.API_KEYS.split(","))):
+        items = filter(None, (part.strip() for part in self.API_KEYS.split(",")))
+        for position, item in enumerate(items, start=1):
             name, sep, key = item.partition(":")
-            keys[key if sep else name] = name
+            if sep:
+                keys[key] = name
+            else:
+                keys[item] = f"key-{position}"
         return keys
+
+    @property
+    def ops_keys(self) -> dict[str, str]:
+        """The keys /metrics, /api/metrics and the dashboard's data need; empty: open."""
+        return self.api_keys if self.OPS_AUTH == "keys" else {}
+
+    @property
+    def ws_allowed_origins(self) -> frozenset[str]:
+        """WS_ALLOWED_ORIGINS, each normalised as origins are compared."""
+        parts = self.WS_ALLOWED_ORIGINS.split(",")
+        return frozenset(normalize_origin(part) for part in parts if part.strip())
 
 
 def load_settings(env_file: str | Path = ".env", **overrides: object) -> Settings:

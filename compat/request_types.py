@@ -21,10 +21,19 @@ from compat.errors import (
     unsupported_parameter,
     unsupported_value,
 )
+from compat.limits import MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_LENGTH, MAX_STOP_SEQUENCES
 
 TokenId = Annotated[int, Meta(ge=0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+NumChoices = Annotated[int, Meta(ge=1, le=MAX_N)]
+StopString = Annotated[str, Meta(max_length=MAX_STOP_LENGTH)]
+Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_SEQUENCES)]
+# msgspec counts the entries in C right after building the object (which MAX_BODY_BYTES
+# bounds: 100k entries take about 20 ms), so no Python code walks an oversized one.
+LogitBias = Annotated[
+    dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=MAX_LOGIT_BIAS_ENTRIES)
+]
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -37,14 +46,14 @@ class _SamplingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str
-    n: Annotated[int, Meta(ge=1, le=128)] | None = None
-    stop: str | list[str] | None = None
+    n: NumChoices | None = None
+    stop: Stop | None = None
     seed: Int64 | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: LogitBias | None = None
     user: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -83,7 +92,7 @@ class CompletionRequest(_SamplingRequest, kw_only=True, forbid_unknown_fields=Tr
     prompt: Prompt
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     echo: bool | None = None
-    best_of: int | None = None
+    best_of: NumChoices | None = None
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
     suffix: str | None = None
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from engine.host_memory import release_free_memory
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineGauges, ServingMetrics
 from engine.request import FinishReason, Sequence, StepOutput
@@ -80,10 +81,16 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, build: Callable[[], LLMEngine], metrics_window_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        build: Callable[[], LLMEngine],
+        metrics_window_s: float = 60.0,
+        metrics_max_tenants: int = 64,
+    ) -> None:
         """`build` makes the LLMEngine; start() calls it on the engine thread."""
         self._build = build
         self._metrics_window_s = metrics_window_s
+        self._metrics_max_tenants = metrics_max_tenants
         self._engine: LLMEngine | None = None
         self._metrics: ServingMetrics | None = None
         self._tracked: dict[str, _Tracked] = {}
@@ -105,7 +112,9 @@ class AsyncEngine:
         def run() -> None:
             try:
                 self._engine = self._build()
-                self._metrics = ServingMetrics(self._engine.model_id, self._metrics_window_s)
+                self._metrics = ServingMetrics(
+                    self._engine.model_id, self._metrics_window_s, self._metrics_max_tenants
+                )
             except BaseException as exc:
                 failure.append(exc)
                 return
@@ -197,12 +206,7 @@ class AsyncEngine:
             prefix_queries=prefix["query_tokens"],
             prefix_hits=prefix["hit_tokens"],
             preemptions=stats.num_preemptions,
-            tenant_counters={
-                name: t.counter for name, t in stats.tenants.items() if t.counter is not None
-            },
-            tenant_tokens={
-                name: t.prompt_tokens + t.output_tokens for name, t in stats.tenants.items()
-            },
+            tenants=stats.tenants,
         )
 
     def snapshot(self) -> dict:
@@ -220,12 +224,17 @@ class AsyncEngine:
     # ------------------------------------------------------------------ the loop
 
     def _run(self) -> None:
+        was_busy = False
         while not self._stopping:
             self._apply_aborts()
             if not self.engine.has_work:
+                if was_busy:  # the work just ran out: a good moment to give memory back
+                    release_free_memory()
+                    was_busy = False
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
+            was_busy = True
             try:
                 outputs = self.engine.step()
             except Exception as exc:

@@ -78,16 +78,22 @@ class EngineGauges:
     prefix_queries: int
     prefix_hits: int
     preemptions: int
-    tenant_counters: dict[str, float]
-    tenant_tokens: dict[str, int]
+    tenants: dict[str, TenantStats]
 
 
 class ServingMetrics:
-    """Records request timings; exposes sliding windows and Prometheus collectors."""
+    """Records request timings; exposes sliding windows and Prometheus collectors.
 
-    def __init__(self, model_name: str, window_s: float = 60.0):
+    Per-tenant series are kept for at most `max_tenants` tenants, whatever clients send (a
+    client can name a new tenant per request): Prometheus exports the tenants with requests in
+    flight first, then the most served; per-tenant TTFT windows are dropped once their samples
+    expire, least recently updated first beyond the cap. Model-wide series count everyone.
+    """
+
+    def __init__(self, model_name: str, window_s: float = 60.0, max_tenants: int = 64):
         self.model_name = model_name
         self.window_s = window_s
+        self.max_tenants = max_tenants
         self.ttft = SlidingWindow(window_s)
         self.tpot = SlidingWindow(window_s)
         self.e2e = SlidingWindow(window_s)
@@ -157,11 +163,19 @@ class ServingMetrics:
         with self._lock:
             self.ttft.add(seconds)
             if tenant is not None:
-                window = self.tenant_ttft.get(tenant)
-                if window is None:
-                    window = self.tenant_ttft[tenant] = SlidingWindow(self.window_s)
+                window = self.tenant_ttft.pop(tenant, None) or SlidingWindow(self.window_s)
                 window.add(seconds)
+                self.tenant_ttft[tenant] = window  # most recently updated last
+                self._bound_tenant_windows()
         self._ttft_hist.labels(self.model_name).observe(seconds)
+
+    def _bound_tenant_windows(self) -> None:
+        if len(self.tenant_ttft) <= self.max_tenants:
+            return
+        for name in [n for n, w in self.tenant_ttft.items() if not w.values()]:
+            del self.tenant_ttft[name]
+        while len(self.tenant_ttft) > self.max_tenants:
+            del self.tenant_ttft[next(iter(self.tenant_ttft))]
 
     def record_finished(
         self, *, e2e_s: float, ttft_s: float | None, prompt_tokens: int, output_tokens: int,
@@ -194,10 +208,19 @@ class ServingMetrics:
         self._prefix_queries.labels(name).set(gauges.prefix_queries)
         self._prefix_hits.labels(name).set(gauges.prefix_hits)
         self._preemptions.labels(name).set(gauges.preemptions)
-        for tenant, value in gauges.tenant_counters.items():
-            self._tenant_counter.labels(name, tenant).set(value)
-        for tenant, value in gauges.tenant_tokens.items():
-            self._tenant_tokens.labels(name, tenant).set(value)
+        exported = sorted(
+            gauges.tenants.items(),
+            key=lambda item: (-(item[1].running + item[1].waiting), -item[1].service),
+        )[: self.max_tenants]
+        with self._lock:  # concurrent scrapes must not interleave clear() and set()
+            self._tenant_counter.clear()
+            self._tenant_tokens.clear()
+            for tenant, stats in exported:
+                if stats.counter is not None:
+                    self._tenant_counter.labels(name, tenant).set(stats.counter)
+                self._tenant_tokens.labels(name, tenant).set(
+                    stats.prompt_tokens + stats.output_tokens
+                )
 
     def snapshot(self) -> dict:
         """Sliding-window summary for the dashboard's JSON API."""

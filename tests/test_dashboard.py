@@ -4,10 +4,15 @@ server. Needs `apt-get install chromium` (/usr/bin/chromium); without it this te
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-from playwright.sync_api import expect, sync_playwright
+from playwright.sync_api import BrowserContext, expect, sync_playwright
+
+from tests.conftest import start_server, stop_server
+from tests.gateway_helpers import chat_body
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -24,17 +29,27 @@ def _bar_width(page, tenant: str, kind: str) -> float:
     )
 
 
-def test_dashboard_shows_live_metrics_and_drives_the_load_generator(server, tmp_path) -> None:
+@contextmanager
+def chromium(tmp_path: Path) -> Iterator[BrowserContext]:
+    """Headless Chromium with a fresh profile."""
     assert CHROMIUM.exists(), "Chromium is missing: apt-get install -y chromium"
-    page_errors: list[str] = []
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch_persistent_context(
-            str(tmp_path / "profile"),  # a fresh profile
+            str(tmp_path / "profile"),
             executable_path=str(CHROMIUM),
             headless=True,
             args=CHROMIUM_ARGS,
             viewport={"width": 1400, "height": 1100},
         )
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def test_dashboard_shows_live_metrics_and_drives_the_load_generator(server, tmp_path) -> None:
+    page_errors: list[str] = []
+    with chromium(tmp_path) as browser:
         try:
             page = browser.new_page()
             page.on("pageerror", lambda exc: page_errors.append(str(exc)))
@@ -93,7 +108,59 @@ def test_dashboard_shows_live_metrics_and_drives_the_load_generator(server, tmp_
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
             print("screenshot:", tmp_path / "dashboard.png")
         finally:
-            browser.close()
             httpx.post(server.base_url + "/api/loadgen/stop", timeout=30)
     assert page_errors == []
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+
+
+XSS_TENANT = "<img src=x onerror=window.__xss=1>"
+XSS_PROMPT = "<script>window.__xss=2</script><img src=x onerror=window.__xss=3> Hello"
+
+
+def test_tenant_names_and_prompts_render_as_text(server, tmp_path) -> None:
+    body = chat_body(XSS_PROMPT, max_tokens=2, user=XSS_TENANT)
+    assert httpx.post(server.v1 + "/chat/completions", json=body, timeout=300).status_code == 200
+    with chromium(tmp_path) as browser:
+        page = browser.new_page()
+        page.goto(server.base_url + "/")
+        page.wait_for_function(
+            "name => [...document.querySelectorAll('#tenants .tenant')]"
+            ".some(row => row.dataset.tenant === name)",
+            arg=XSS_TENANT,
+            timeout=15_000,
+        )
+        page.wait_for_timeout(2_500)  # a few more polls: an injected <img> would have fired
+        assert page.evaluate("window.__xss") is None
+        assert page.locator("#tenants img, #tenants script").count() == 0
+        names = page.locator("#tenants .tenant .who b").all_text_contents()
+        assert XSS_TENANT in names  # shown literally
+
+
+DASHBOARD_KEY = "sk-dashboard-6a1e93c04b7d25f8"
+
+
+def test_with_ops_auth_the_page_asks_for_the_key_once(tmp_path) -> None:
+    keyed = start_server(tmp_path, API_KEYS=f"alice:{DASHBOARD_KEY}", OPS_AUTH="keys")
+    try:
+        with chromium(tmp_path) as browser:
+            page = browser.new_page()
+            page.goto(keyed.base_url + "/")
+            expect(page.locator("#live")).to_have_text("API key needed", timeout=10_000)
+            expect(page.locator("#key-form")).to_be_visible()
+
+            page.fill("#api-key", "sk-wrong")
+            page.click("#key-form button")
+            expect(page.locator("#key-message")).to_have_text("Incorrect API key provided.")
+
+            page.fill("#api-key", DASHBOARD_KEY)
+            page.click("#key-form button")
+            expect(page.locator("#live")).to_have_text("live", timeout=10_000)
+            expect(page.locator("#key-form")).to_be_hidden()
+            expect(page.locator("#model")).to_have_text("gemma-3-270m")
+            # Kept for this tab, sent as a header: a reload needs no new key, and no URL has it.
+            page.reload()
+            expect(page.locator("#live")).to_have_text("live", timeout=10_000)
+            assert DASHBOARD_KEY not in page.url
+        assert DASHBOARD_KEY not in keyed.log()
+    finally:
+        stop_server(keyed)

@@ -210,7 +210,7 @@ def test_odd_but_valid_requests_succeed(server: RunningServer) -> None:
 
 # ------------------------------------------------------------------ a server with tight limits
 
-KEYS = "alice:key-alice,key-bob"  # `name:key` names the tenant; a bare key is its own name
+KEYS = "alice:key-alice,key-bob"  # `name:key` names the tenant; the bare key's is "key-2"
 BODY_LIMIT = 4096
 KV_TOKENS = 4096  # far less than the 32768-token context
 BLOCK_SIZE = 16  # KV_BLOCK_SIZE's default
@@ -267,6 +267,15 @@ def test_valid_keys_work_and_name_the_tenant(tight: RunningServer) -> None:
     tenants = api_metrics(tight.base_url)["scheduler"]["tenants"]
     assert tenants["alice"]["output_tokens"] == 2  # the key names the tenant, not `user`
     assert "mallory" not in tenants
+
+
+def test_ops_routes_stay_open_by_default_with_keys(tight: RunningServer) -> None:
+    """OPS_AUTH defaults to none: scrapers and the dashboard read metrics without a key, as with
+    vLLM, while driving the load generator still needs one."""
+    for path in ("/metrics", "/api/metrics", "/api/loadgen/status", "/health"):
+        assert httpx.get(tight.base_url + path, timeout=30).status_code == 200, path
+    start = httpx.post(tight.base_url + "/api/loadgen/start", json={"num_requests": 1}, timeout=30)
+    assert error_of(start, 401)["code"] == "missing_api_key"
 
 
 def test_body_too_large_is_413(tight: RunningServer) -> None:

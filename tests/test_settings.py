@@ -53,3 +53,23 @@ def test_a_weight_that_is_not_a_number_is_a_startup_error(monkeypatch: pytest.Mo
     monkeypatch.setenv("VTC_OUTPUT_WEIGHT", "heavy")
     with pytest.raises(SystemExit, match=r"invalid setting: .*VTC_OUTPUT_WEIGHT"):
         load_settings(NO_ENV_FILE)
+
+
+def test_a_bare_key_is_named_by_its_place_never_by_itself() -> None:
+    settings = load_settings(NO_ENV_FILE, API_KEYS="alice:sk-a, sk-b ,bob:sk-c,sk-d")
+    assert settings.api_keys == {"sk-a": "alice", "sk-b": "key-2", "sk-c": "bob", "sk-d": "key-4"}
+
+
+def test_ops_auth_defaults_to_open_and_needs_keys_to_close() -> None:
+    assert load_settings(NO_ENV_FILE, API_KEYS="sk-a").ops_keys == {}
+    closed = load_settings(NO_ENV_FILE, API_KEYS="sk-a", OPS_AUTH="keys")
+    assert closed.ops_keys == {"sk-a": "key-1"}
+    assert load_settings(NO_ENV_FILE, API_KEYS="", OPS_AUTH="keys").ops_keys == {}
+    with pytest.raises(SystemExit, match="OPS_AUTH"):
+        load_settings(NO_ENV_FILE, OPS_AUTH="basic")
+
+
+def test_ws_allowed_origins_are_normalised() -> None:
+    settings = load_settings(NO_ENV_FILE, WS_ALLOWED_ORIGINS=" HTTPS://App.Example/ ,, *")
+    assert settings.ws_allowed_origins == frozenset({"https://app.example", "*"})
+    assert load_settings(NO_ENV_FILE).ws_allowed_origins == frozenset()

@@ -1,4 +1,9 @@
-"""Dashboard routes: the page at `/`, its static files, and the load generator's JSON API."""
+"""Dashboard routes: the page at `/`, its static files, and the load generator's JSON API.
+
+The page and its files hold no data and stay open; the data comes from /api/metrics and the
+load generator's routes, which the page calls with the API key it asks for (see app.js).
+Driving load needs a key whenever API_KEYS is set; its status, only with OPS_AUTH=keys.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from litestar import Request, Response, get, post
 from litestar.static_files import create_static_files_router
 from litestar.types import ControllerRouterHandler
 
-from app.auth import tenant_for_key
+from app.auth import require_api_key, require_ops_key
 from app.server import ServerState
 from compat.errors import ApiError
 from web.loadgen import LoadGenerator, decode_load_config
@@ -40,12 +45,6 @@ def own_base_url(request: Request) -> str:
     return str(request.base_url).rstrip("/")
 
 
-def _authorize(request: Request) -> None:
-    """With API_KEYS set, driving load needs a valid key like any other API call (401)."""
-    settings = request.app.state.server.settings
-    tenant_for_key(settings.api_keys, request.headers.get("authorization"))
-
-
 # The page lives at `/` and its files under /static: a static router mounted at `/` would
 # answer every unknown path itself (405 instead of 404 for a POST to an unknown route).
 @get("/", include_in_schema=False)
@@ -53,9 +52,8 @@ async def dashboard() -> Response:
     return Response((STATIC_DIR / "index.html").read_bytes(), media_type="text/html")
 
 
-@post("/api/loadgen/start", status_code=200)
+@post("/api/loadgen/start", status_code=200, guards=[require_api_key])
 async def loadgen_start(request: Request) -> Response:
-    _authorize(request)
     config = decode_load_config(await request.body())
     generator = _load_generator(request)
     if generator.running:
@@ -69,15 +67,14 @@ async def loadgen_start(request: Request) -> Response:
     return _json(generator.status())
 
 
-@post("/api/loadgen/stop", status_code=200)
+@post("/api/loadgen/stop", status_code=200, guards=[require_api_key])
 async def loadgen_stop(request: Request) -> Response:
-    _authorize(request)
     generator = _load_generator(request)
     await generator.stop()
     return _json(generator.status())
 
 
-@get("/api/loadgen/status")
+@get("/api/loadgen/status", guards=[require_ops_key])
 async def loadgen_status(request: Request) -> Response:
     return _json(_load_generator(request).status())
 

@@ -78,6 +78,9 @@ class Policy(ABC):
         """The policy's per-tenant counters (empty for policies that keep none)."""
         return {}
 
+    def forget(self, tenant: str) -> None:  # noqa: B027
+        """`tenant` has been idle long enough to be retired: drop what is kept for it."""
+
 
 class FcfsPolicy(Policy):
     """First come, first served: the head of the queue."""
@@ -126,6 +129,7 @@ class VtcPolicy(Policy):
         self.cost = cost or TokenCost()
         self._counters: dict[str, float] = {}
         self._last_left: str | None = None  # tenant of the request that last left Q
+        self._retired_last_left = 0.0  # c_l when l itself was retired since
 
     def counter(self, tenant: str) -> float:
         return self._counters.get(tenant, 0.0)
@@ -137,8 +141,12 @@ class VtcPolicy(Policy):
         if any(other.tenant == tenant for other in queued):
             return
         if not queued:
-            if self._last_left is not None:
-                self._counters[tenant] = max(current, self.counter(self._last_left))
+            c_l = (
+                self._retired_last_left
+                if self._last_left is None
+                else self.counter(self._last_left)
+            )
+            self._counters[tenant] = max(current, c_l)
         else:
             floor = min(self.counter(other.tenant) for other in queued)
             self._counters[tenant] = max(current, floor)
@@ -164,6 +172,11 @@ class VtcPolicy(Policy):
 
     def counters(self) -> dict[str, float]:
         return dict(self._counters)
+
+    def forget(self, tenant: str) -> None:
+        if tenant == self._last_left:
+            self._retired_last_left, self._last_left = self.counter(tenant), None
+        self._counters.pop(tenant, None)
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "vtc")

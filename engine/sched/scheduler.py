@@ -33,6 +33,7 @@ from engine.sched.admission import AddResult, AdmissionStatus, CompletionRate, I
 from engine.sched.output import ScheduledSeq, SchedulerOutput
 from engine.sched.policy import TokenCost, make_policy
 from engine.sched.stats import SchedulerStats, TenantLedger, TenantStats
+from engine.sched.tenants import IdleTenants
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class SchedulerConfig:
     token_cost: TokenCost = field(default_factory=TokenCost)  # w_p, w_q for vtc and the ledger
     retry_window_s: float = 30.0  # completions counted for the Retry-After estimate
     session_kv_idle_s: float | None = 300.0  # session pins idle this long are released
+    # Idle tenants' counters and service are forgotten after this long, or least recently
+    # active first beyond max_idle_tenants (engine.sched.tenants); None: never.
+    tenant_idle_s: float | None = 600.0
+    max_idle_tenants: int | None = 1024
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue_len"):
@@ -114,6 +119,8 @@ class Scheduler:
         self._inflight = InflightCounts()
         self._completions = CompletionRate(window_s=config.retry_window_s)
         self.ledger = TenantLedger(config.token_cost)
+        self._idle_tenants = IdleTenants(config.tenant_idle_s, config.max_idle_tenants)
+        self.num_retired_tenants = 0
         self.num_preemptions = 0
         self.num_finished = 0
         self.num_aborted = 0
@@ -154,6 +161,7 @@ class Scheduler:
             self.waiting.append(seq)
             self._seqs[seq.seq_id] = seq
             self._inflight.add(seq)
+            self._idle_tenants.busy(seq.tenant)
             return result
 
     def abort(self, seq_id: int) -> bool:
@@ -196,8 +204,13 @@ class Scheduler:
         with self._lock:
             out = SchedulerOutput(finished=self._finished_ids)
             self._finished_ids = []
+            now = self._clock()
             if self.config.session_kv_idle_s is not None:
-                self.kv.unpin_idle(self._clock() - self.config.session_kv_idle_s)
+                self.kv.unpin_idle(now - self.config.session_kv_idle_s)
+            for tenant in self._idle_tenants.expired(now):
+                self.policy.forget(tenant)
+                self.ledger.forget(tenant)
+                self.num_retired_tenants += 1
             budget = self.config.max_num_batched_tokens
             by_urgency = sorted(self.running, key=_urgency)
             pending = {s.seq_id: s for s in by_urgency}  # running, not yet scheduled this step
@@ -251,18 +264,19 @@ class Scheduler:
         """A snapshot: queue lengths, preemptions, refusals, per-tenant service and counters."""
         with self._lock:
             counters = self.policy.counters()
+            running = Counter(s.tenant for s in self.running)
+            waiting = Counter(s.tenant for s in self.waiting)
+            prefilling = Counter(
+                s.tenant for s in self.running if s.num_tokens - s.num_computed_tokens > 1
+            )
             tenants: dict[str, TenantStats] = {}
-            names = set(self.ledger.tenants) | set(counters)
-            names |= {seq.tenant for seq in self._seqs.values()}
+            names = set(self.ledger.tenants) | set(counters) | set(running) | set(waiting)
             for name in sorted(names):
                 usage = self.ledger.tenants.get(name)
                 tenants[name] = TenantStats(
-                    running=sum(s.tenant == name for s in self.running),
-                    waiting=sum(s.tenant == name for s in self.waiting),
-                    prefilling=sum(
-                        s.tenant == name and s.num_tokens - s.num_computed_tokens > 1
-                        for s in self.running
-                    ),
+                    running=running[name],
+                    waiting=waiting[name],
+                    prefilling=prefilling[name],
                     prompt_tokens=usage.prompt_tokens if usage else 0,
                     output_tokens=usage.output_tokens if usage else 0,
                     service=usage.service if usage else 0.0,
@@ -278,6 +292,7 @@ class Scheduler:
                 rejected=dict(self.rejected),
                 kv_usage=self.kv.usage,
                 completions_per_s=self._completions.per_second(self._clock()),
+                retired_tenants=self.num_retired_tenants,
                 tenants=tenants,
             )
 
@@ -454,6 +469,8 @@ class Scheduler:
         del self._seqs[seq.seq_id]
         self._charged_upto.pop(seq.seq_id, None)
         self._inflight.remove(seq)
+        if seq.tenant not in self._inflight.by_tenant:
+            self._idle_tenants.idle(seq.tenant, self._clock())
         self._finished_ids.append(seq.seq_id)
         self._completions.record(self._clock())
         if reason is FinishReason.ABORT:

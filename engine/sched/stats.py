@@ -32,6 +32,10 @@ class TenantLedger:
         usage.output_tokens += num_output_tokens
         usage.service += self.cost(num_prompt_tokens, num_output_tokens)
 
+    def forget(self, tenant: str) -> None:
+        """Drop a retired tenant's totals (engine.sched.tenants)."""
+        self.tenants.pop(tenant, None)
+
     def service(self, tenant: str) -> float:
         usage = self.tenants.get(tenant)
         return usage.service if usage else 0.0
@@ -59,6 +63,7 @@ class SchedulerStats:
     rejected: dict[str, int]  # AdmissionStatus value -> count of refused add() calls
     kv_usage: float  # fraction of KV blocks held by sequences
     completions_per_s: float  # over the Retry-After window
+    retired_tenants: int = 0  # idle tenants whose state was forgotten, since start
     tenants: dict[str, TenantStats] = field(default_factory=dict)
 
     def to_dict(self) -> dict:

@@ -33,10 +33,48 @@ function fmtSeconds(s) {
   return s.toFixed(2) + " s";
 }
 
+// ---------------------------------------------------------------- API key
+
+// With OPS_AUTH=keys the page's data needs the API key, and driving load needs it whenever the
+// server has keys. The page asks for it once and keeps it in sessionStorage (this tab only,
+// gone when the tab closes); it travels as a Bearer header, never in a URL.
+const KEY_STORAGE = "gemma-serve.api-key";
+
+class Unauthorized extends Error {}
+
+function authHeaders() {
+  const key = sessionStorage.getItem(KEY_STORAGE);
+  return key ? { Authorization: "Bearer " + key } : {};
+}
+
+function askForKey(message) {
+  $("key-form").hidden = false;
+  setText("key-message", message);
+}
+
+function useKey(key) {
+  if (key) sessionStorage.setItem(KEY_STORAGE, key);
+  else sessionStorage.removeItem(KEY_STORAGE);
+  $("key-form").hidden = true;
+  $("api-key").value = "";
+  setText("key-message", "");
+}
+
+// The JSON body of a response; a refused key asks for one, other errors throw their message.
+async function readJSON(response, what) {
+  const payload = await response.json().catch(() => ({}));
+  if (response.ok) return payload;
+  const message = payload.error ? payload.error.message : what + ": HTTP " + response.status;
+  if (response.status === 401) {
+    askForKey(message);
+    throw new Unauthorized(message);
+  }
+  throw new Error(message);
+}
+
 async function getJSON(url) {
-  const response = await fetch(url, { cache: "no-store" });
-  if (!response.ok) throw new Error(url + ": HTTP " + response.status);
-  return response.json();
+  const response = await fetch(url, { cache: "no-store", headers: authHeaders() });
+  return readJSON(response, url);
 }
 
 // ---------------------------------------------------------------- metrics
@@ -258,17 +296,12 @@ function formConfig() {
 }
 
 async function postLoadgen(action, body) {
-  const headers = { "Content-Type": "application/json" };
-  const key = $("lg-key").value.trim();
-  if (key) headers.Authorization = "Bearer " + key;
   const response = await fetch("/api/loadgen/" + action, {
     method: "POST",
-    headers,
+    headers: { "Content-Type": "application/json", ...authHeaders() },
     body: body === undefined ? "{}" : JSON.stringify(body),
   });
-  const payload = await response.json();
-  if (!response.ok) throw new Error(payload.error ? payload.error.message : "HTTP " + response.status);
-  return payload;
+  return readJSON(response, action);
 }
 
 async function onLoadgenAction(action, body) {
@@ -291,12 +324,16 @@ async function poll() {
     setText("live", "live");
   } catch (err) {
     $("live").className = "live off";
-    setText("live", "offline");
+    setText("live", err instanceof Unauthorized ? "API key needed" : "offline");
   }
   setTimeout(poll, POLL_MS);
 }
 
 document.addEventListener("DOMContentLoaded", () => {
+  $("key-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    useKey($("api-key").value.trim());
+  });
   $("lg-form").addEventListener("submit", (event) => {
     event.preventDefault();
     onLoadgenAction("start", formConfig());
