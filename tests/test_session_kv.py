@@ -1,6 +1,7 @@
 """Sessions keep their KV between turns through the real server, while concurrent traffic churns
 the whole prefix cache: a WebSocket session of 20 turns and a chat with `X-Session-Id` (the
-official openai client) prefill only their new tokens from the second turn on."""
+official openai client) prefill only their new tokens from the second turn on. A session with
+`sink` eviction keeps its evicted cache: a history of several budgets in bounded memory."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from websockets.asyncio.client import connect
+from websockets.asyncio.client import ClientConnection, connect
 
 from tests.conftest import MODEL_ID, RunningServer, start_server, stop_server
 
@@ -133,3 +134,71 @@ async def test_a_chat_with_a_session_header_keeps_its_kv_under_churn(small_serve
             await asyncio.sleep(0.3)
     assert_history_cached(usages)
     await client.close()
+
+
+async def session_turn(
+    ws: ClientConnection, turn_id: str, session: str, text: str
+) -> dict[str, Any]:
+    """One chat turn of `session`; the usage of its `done`."""
+    await ws.send(json.dumps({
+        "type": "generate", "id": turn_id, "session": session, "model": MODEL_ID,
+        "temperature": 0, "max_tokens": 16, "messages": [{"role": "user", "content": text}],
+    }))  # fmt: skip
+    while (event := json.loads(await asyncio.wait_for(ws.recv(), 120)))["type"] not in (
+        "done",
+        "error",
+    ):
+        pass
+    assert event["type"] == "done", event
+    return event["usage"]
+
+
+@pytest.fixture
+def quiet_server(tmp_path) -> Iterator[RunningServer]:
+    """A server of its own: no other session's pins in its KV counts."""
+    server = start_server(tmp_path, MAX_ACTIVE_KV_TOKENS=str(KV_TOKENS), KV_BLOCK_SIZE=str(BLOCK))
+    yield server
+    stop_server(server)
+
+
+async def test_a_session_with_eviction_keeps_its_evicted_cache_in_bounded_memory(quiet_server):
+    budget_tokens = 256
+    usages, held = [], []
+    async with connect(quiet_server.base_url.replace("http", "ws") + "/v1/ws") as ws:
+        assert json.loads(await ws.recv())["type"] == "ready"
+        await ws.send(json.dumps({
+            "type": "session.start", "session": "streaming", "eviction_policy": "sink",
+            "kv_tokens": budget_tokens,
+        }))  # fmt: skip
+        assert json.loads(await ws.recv())["type"] == "session.started"
+        for turn in range(12):
+            text = f"Turn {turn}. " + "Tell me one more thing about rivers and the sea. " * 6
+            usages.append(await session_turn(ws, f"e{turn}", "streaming", text))
+            held.append(await kv_stats(quiet_server))
+        await ws.send(json.dumps({"type": "session.end", "session": "streaming"}))
+        assert json.loads(await ws.recv())["type"] == "session.ended"
+    # The history grew to several budgets. Once a turn computed more than the budget (and so
+    # evicted), the next one prefilled only what it did not compute: its last sampled token and
+    # the new message.
+    assert usages[-1]["prompt_tokens"] > 3 * budget_tokens
+    assert_history_cached(usages)
+    evicting = []
+    for previous, current in itertools.pairwise(usages):
+        computed = previous["prompt_tokens"] + previous["completion_tokens"] - 1
+        if computed > budget_tokens:
+            evicting.append(current)
+            assert current["prompt_tokens_details"]["cached_tokens"] == computed, previous
+    assert len(evicting) >= 8
+    assert held[-1]["resumed_kept"] == len(evicting)
+    # Between turns the session holds its evicted cache: the budget, in bounded memory.
+    for stats in held[-len(evicting) - 1 :]:
+        assert stats["kept_sessions"] == 1
+        assert stats["pinned_blocks"] == budget_tokens // BLOCK
+        assert stats["groups"]["full"]["in_use"] == budget_tokens // BLOCK
+    for _ in range(50):  # the ended session's pin is released on the engine thread
+        if (await kv_stats(quiet_server))["pinned_sessions"] == 0:
+            break
+        await asyncio.sleep(0.1)
+    after = await kv_stats(quiet_server)
+    assert after["kept_sessions"] == after["pinned_blocks"] == 0
+    assert after["groups"]["full"]["in_use"] == 0

@@ -20,6 +20,15 @@ shrinks a chunk or preempts (release_oldest_pin), a tenant's pins beyond its quo
 released oldest first, and idle pins are released by unpin_idle(). A released pin's blocks
 stay in the prefix cache, reclaimable: nothing is lost, at worst recomputed.
 
+Kept evicted caches. Blocks computed after an eviction are never published (they are wrong for
+anyone else), so a turn that evicted pins its whole block state instead: the tables with their
+holes, the h2o scores and the tokens they cover (StreamingLLM semantics). The session's next
+turn adopts that state when its tokens extend the kept ones and it asks for the same policy, so
+it prefills only its new tokens against the bounded cache; otherwise the state is released and
+the prompt is matched as usual. An adopted state leaves the pins (it is the sequence's own), so
+a turn that frees it unfinished (preempted, aborted, or not admitted for want of blocks) loses
+it, and the turn after that starts from the prefix cache.
+
 One block pool per cache group ("full", "sliding"), each of its own size (engine.kv.sizing:
 sliding groups only get what their window can use); physical block ids are per group, and the
 model runner's cache has as many blocks in each group. All counts are in blocks of
@@ -32,7 +41,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from engine.backends.base import CacheGroupSpec
@@ -62,15 +71,6 @@ class BlockCopy:
 
 
 @dataclass
-class _Pin:
-    """A session's pinned blocks (one reference each) and when its last turn ended."""
-
-    tenant: str
-    blocks: list[Block]
-    last_used: float
-
-
-@dataclass
 class _SeqBlocks:
     """What the manager knows about one sequence holding blocks."""
 
@@ -80,6 +80,27 @@ class _SeqBlocks:
     first_evicted: int | None = None  # lowest logical block dropped by the eviction policy
     scores: dict[int, float] = field(default_factory=dict)  # h2o: attention mass per block
     prompt_claim: int = 0  # tokens of the prompt registered in the exact-match index
+
+
+@dataclass
+class _Kept:
+    """A finished turn's evicted block state, kept whole for its session's next turn."""
+
+    state: _SeqBlocks
+    token_ids: list[int]  # the tokens whose K/V the state holds: the turn's computed tokens
+    cache_salt: str | None
+    eviction_policy: str
+
+
+@dataclass
+class _Pin:
+    """A session's pinned blocks (one reference each) and when its last turn ended; with
+    `kept`, the blocks are those of that evicted state."""
+
+    tenant: str
+    blocks: list[Block]
+    last_used: float
+    kept: _Kept | None = None
 
 
 class KVCacheManager:
@@ -133,6 +154,7 @@ class KVCacheManager:
         # (tenant, session) -> its pin, least recently used first.
         self._pins: OrderedDict[tuple[str, str], _Pin] = OrderedDict()
         self.num_released_pins = 0  # by pressure, quota or idleness (not by unpin())
+        self.num_resumed_kept = 0  # turns that continued their session's kept evicted cache
         self.num_cow_copies = 0
         self.num_evicted_blocks = 0  # dropped by per-session eviction policies
         self.num_window_freed_blocks = 0  # dropped by sliding windows
@@ -199,27 +221,41 @@ class KVCacheManager:
         Sets seq.num_computed_tokens to the returned value and seq.num_cached_prompt_tokens
         to its prompt part. Blocks still held from an earlier, failed attempt are released
         first. With prefix caching off it returns 0. Counts one query in stats().
+
+        A turn of a session that kept an evicted cache (see the module doc) adopts it instead
+        when its tokens extend the kept ones: it returns every token the kept state covers and
+        counts no prefix-cache query.
         """
         if seq.seq_id in self._seqs:
             self.free(seq)
         state = _SeqBlocks(tables={g: [] for g in self.pools})
-        self._seqs[seq.seq_id] = state
         cached = 0
         if self.enable_prefix_caching:
-            exact_prompt = seq.prompt_token_ids if seq.num_output_tokens == 0 else None
-            match = self.cache.match(seq.token_ids, seq.cache_salt, exact_prompt)
-            for group, blocks in match.tables.items():
-                for block in blocks:
-                    if block is not None:
-                        self.pools[group].incref(block)
-                state.tables[group] = list(blocks)
-            cached = match.num_tokens
-            state.path = match.nodes[: cached // self.block_size]
-            for group, window in self.windows.items():
-                if window is not None:
-                    state.window_start[group] = max(0, cached - window) // self.block_size
+            kept = self._take_kept(seq)
+            if kept is not None:
+                state, cached = kept.state, len(kept.token_ids)
+                self.num_resumed_kept += 1
+            else:
+                cached = self._match_cached(seq, state)
+        self._seqs[seq.seq_id] = state
         seq.num_computed_tokens = cached
         seq.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
+        return cached
+
+    def _match_cached(self, seq: Sequence, state: _SeqBlocks) -> int:
+        """Take references on the longest cached prefix of seq into `state`; its tokens."""
+        exact_prompt = seq.prompt_token_ids if seq.num_output_tokens == 0 else None
+        match = self.cache.match(seq.token_ids, seq.cache_salt, exact_prompt)
+        for group, blocks in match.tables.items():
+            for block in blocks:
+                if block is not None:
+                    self.pools[group].incref(block)
+            state.tables[group] = list(blocks)
+        cached = match.num_tokens
+        state.path = match.nodes[: cached // self.block_size]
+        for group, window in self.windows.items():
+            if window is not None:
+                state.window_start[group] = max(0, cached - window) // self.block_size
         return cached
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -282,7 +318,8 @@ class KVCacheManager:
         them; they are reclaimed least-recently-used when memory is needed. The prompt's
         partial last block is kept in the exact-match index when nothing else holds it.
         With `pin_at` (a time) and seq.kv_session set, the published blocks stay pinned for
-        that session (see the module doc). Does not touch seq's fields (the scheduler resets
+        that session, or, once seq's eviction policy dropped blocks, its whole block state
+        (see the module doc). Does not touch seq's fields (the scheduler resets
         num_computed_tokens on preemption).
         """
         state = self._seqs.pop(seq.seq_id, None)
@@ -346,16 +383,20 @@ class KVCacheManager:
         )
 
     def _pin(self, seq: Sequence, state: _SeqBlocks, now: float) -> None:
-        """Pin seq's published blocks for its session, replacing the session's old pin; then
-        release the tenant's oldest pins while it is over its quota. A turn larger than the
-        whole quota is not pinned."""
+        """Pin seq's published blocks (or, after an eviction, its whole state) for its session,
+        replacing the session's old pin; then release the tenant's oldest pins while it is
+        over its quota. A turn larger than the whole quota is not pinned."""
         assert seq.kv_session is not None
         key = (seq.tenant, seq.kv_session)
-        blocks = [
-            block
-            for index in range(len(state.path))
-            for block in self._held_at(state, index).values()
-        ]
+        kept = self._kept_of(seq, state)
+        if kept is not None:
+            blocks = [b for table in state.tables.values() for b in table if b is not None]
+        else:
+            blocks = [
+                block
+                for index in range(len(state.path))
+                for block in self._held_at(state, index).values()
+            ]
         quota = self.pin_quota_blocks
         old = self._pins.pop(key, None)
         if quota is not None and sum(b.group == self.primary for b in blocks) > quota:
@@ -366,7 +407,7 @@ class KVCacheManager:
             self._drop(old)  # after the new references: blocks in both stay held
         if not blocks:
             return
-        self._pins[key] = _Pin(seq.tenant, blocks, now)
+        self._pins[key] = _Pin(seq.tenant, blocks, now, kept)
         if quota is None:
             return
         for other in [k for k, pin in self._pins.items() if pin.tenant == seq.tenant]:
@@ -374,6 +415,50 @@ class KVCacheManager:
                 break
             self._drop(self._pins.pop(other))  # this tenant's oldest first
             self.num_released_pins += 1
+
+    def _kept_of(self, seq: Sequence, state: _SeqBlocks) -> _Kept | None:
+        """What seq's session keeps of a finished turn that evicted: its whole state, with
+        no exact-match claim (that was this prompt's); None when nothing was evicted."""
+        if state.first_evicted is None or not self._evicts(seq):
+            return None
+        return _Kept(
+            replace(state, prompt_claim=0),
+            seq.token_ids[: seq.num_computed_tokens],
+            seq.cache_salt,
+            seq.eviction_policy,
+        )
+
+    def _take_kept(self, seq: Sequence) -> _Kept | None:
+        """The kept state of seq's session if seq continues it (its pin's references pass to
+        seq); a kept state seq does not continue is released."""
+        if seq.kv_session is None:
+            return None
+        key = (seq.tenant, seq.kv_session)
+        pin = self._pins.get(key)
+        if pin is None or pin.kept is None:
+            return None
+        del self._pins[key]
+        if self._continues(seq, pin.kept):
+            return pin.kept
+        self._drop(pin)
+        return None
+
+    def _continues(self, seq: Sequence, kept: _Kept) -> bool:
+        """Whether seq's tokens extend the kept ones, under the same salt and policy, with at
+        least one token left to compute."""
+        num_kept = len(kept.token_ids)
+        return (
+            self._evicts(seq)
+            and seq.eviction_policy == kept.eviction_policy
+            and seq.cache_salt == kept.cache_salt
+            and seq.num_tokens > num_kept
+            and seq.token_ids[:num_kept] == kept.token_ids
+        )
+
+    @staticmethod
+    def _evicts(seq: Sequence) -> bool:
+        """Whether seq runs under an eviction policy with a KV budget."""
+        return seq.eviction_policy != "none" and seq.max_kv_tokens is not None
 
     def _drop(self, pin: _Pin) -> None:
         for block in reversed(pin.blocks):  # deepest first, as sequences release
@@ -448,8 +533,8 @@ class KVCacheManager:
         return sum(block is not None for block in state.tables[self.primary])
 
     def stats(self) -> dict:
-        """A JSON-able snapshot: capacity, per-group block states, prefix-cache hits,
-        copy-on-write copies and evicted blocks."""
+        """A JSON-able snapshot: capacity, per-group block states, session pins and kept
+        evicted caches, prefix-cache hits, copy-on-write copies and evicted blocks."""
         return {
             "block_size": self.block_size,
             "num_total_blocks": self.num_total_blocks,
@@ -459,6 +544,8 @@ class KVCacheManager:
             "pinned_sessions": len(self._pins),
             "pinned_blocks": self.pinned_blocks(),
             "released_pins": self.num_released_pins,
+            "kept_sessions": sum(pin.kept is not None for pin in self._pins.values()),
+            "resumed_kept": self.num_resumed_kept,
             "groups": {
                 name: {
                     "total": pool.num_total,
