@@ -71,9 +71,9 @@ def free_port() -> int:
 @contextmanager
 def running_process(
     command: list[str], log_path: Path, health_url: str, env: dict[str, str] | None = None
-) -> Iterator[None]:
-    """Run a server `command` (logging to `log_path`) until `health_url` answers 200; stop it
-    (its whole process group) on exit."""
+) -> Iterator[subprocess.Popen]:
+    """Run a server `command` (logging to `log_path`) until `health_url` answers 200, yield its
+    process; stop it (its whole process group) on exit."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
         process = subprocess.Popen(
@@ -93,7 +93,7 @@ def running_process(
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{command[0]} not healthy; see {log_path}")
                 time.sleep(0.5)
-            yield
+            yield process
         finally:
             os.killpg(process.pid, signal.SIGTERM)
             try:
@@ -104,14 +104,32 @@ def running_process(
 
 
 @contextmanager
-def running_server(log_path: Path, **settings: object) -> Iterator[str]:
-    """Start `python -m app serve` with `settings` as env vars; yield its base URL."""
+def running_server_process(
+    log_path: Path, **settings: object
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Start `python -m app serve` with `settings` as env vars; yield its base URL and process."""
     port = free_port()
     env = dict(os.environ, HOST="127.0.0.1", PORT=str(port), LOG_FORMAT="json")
     env.update({k: str(v) for k, v in settings.items()})
     base = f"http://127.0.0.1:{port}"
-    with running_process([sys.executable, "-m", "app", "serve"], log_path, base + "/health", env):
+    command = [sys.executable, "-m", "app", "serve"]
+    with running_process(command, log_path, base + "/health", env) as process:
+        yield base, process
+
+
+@contextmanager
+def running_server(log_path: Path, **settings: object) -> Iterator[str]:
+    """Start `python -m app serve` with `settings` as env vars; yield its base URL."""
+    with running_server_process(log_path, **settings) as (base, _):
         yield base
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
 
 
 def llama_binary(name: str) -> Path | None:
@@ -258,9 +276,10 @@ def machine() -> dict:
     }
 
 
-def write_results(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write_results(name: str, payload: dict, path: Path | None = None) -> Path:
+    """Write `payload` with the machine and date as evals/results/<name>.json, or at `path`."""
+    path = path or RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": name,
         "machine": machine(),
