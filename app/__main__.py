@@ -36,8 +36,9 @@ def main(argv: list[str] | None = None) -> None:
         host=settings.HOST,
         port=settings.PORT,
         log_level="info",
-        # In-flight streams get the grace period, then are cancelled (which aborts them).
-        timeout_graceful_shutdown=int(settings.SHUTDOWN_GRACE_S),
+        # A backstop: the drain (app/shutdown.py) has ended every generation by then; this
+        # bounds the wait for clients that stopped reading.
+        timeout_graceful_shutdown=int(settings.SHUTDOWN_GRACE_S) + 5,
     )
 
 

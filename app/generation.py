@@ -18,7 +18,7 @@ from msgspec import UNSET
 
 from compat.chat_template import GEMMA_END_OF_TURN, render_chat_prompt
 from compat.engine_mapping import check_token_ids, to_sampling_params
-from compat.errors import ApiError, invalid_value, rate_limited
+from compat.errors import ApiError, invalid_value, rate_limited, server_shutting_down
 from compat.logprobs import chat_logprobs, completion_logprobs
 from compat.request_types import ChatCompletionRequest, CompletionRequest
 from compat.response_types import (
@@ -36,7 +36,13 @@ from compat.response_types import (
     new_completion_id,
 )
 from compat.response_types import FinishReason as OpenAIFinishReason
-from engine.async_engine import AsyncEngine, EngineOverloaded, RequestStream, RequestTooLarge
+from engine.async_engine import (
+    AsyncEngine,
+    EngineDraining,
+    EngineOverloaded,
+    RequestStream,
+    RequestTooLarge,
+)
 from engine.request import DEFAULT_TENANT, FinishReason, Sequence, StepOutput, TokenLogprob
 from engine.sampling import SamplingParams
 
@@ -209,6 +215,10 @@ class GenerationService:
             for stream in streams:
                 stream.abort()
             raise invalid_value("max_tokens", str(exc)) from None
+        except EngineDraining as exc:
+            for stream in streams:
+                stream.abort()
+            raise server_shutting_down(str(exc)) from None
         log.info(
             "generation admitted", tenant=identity.tenant, session=identity.session_id,
             sequences=len(streams), prompt_tokens=sum(len(p.token_ids) for p in prompts),
@@ -247,7 +257,7 @@ class GenerationService:
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, Exception):
-                    raise ApiError(str(item), status=500, code="internal_error")
+                    raise _stream_error(item)
                 else:
                     yield index, item
         finally:
@@ -410,6 +420,14 @@ class GenerationService:
                 id=chunk_id, created=created, model=self.model_id, choices=[],
                 usage=usage_of(choices, n),
             )  # fmt: skip
+
+
+def _stream_error(exc: Exception) -> ApiError:
+    """What a client is told when the engine ended its generation with an error: a 503 when
+    the server cut it to shut down, else a 500."""
+    if isinstance(exc, EngineDraining):
+        return server_shutting_down(str(exc))
+    return ApiError(str(exc), status=500, code="internal_error")
 
 
 def _choice_sampling(sampling: SamplingParams, choice: int) -> SamplingParams:

@@ -10,6 +10,7 @@ import msgspec
 from dotenv import dotenv_values
 
 from app.origin import normalize_origin
+from engine.faults import FAULT_SPEC_PATTERN, parse_fault_rules
 from engine.llm_engine import EngineConfig
 from engine.sched.policy import TokenCost
 from engine.sched.scheduler import SchedulerConfig
@@ -68,6 +69,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     LOG_FORMAT: Literal["console", "json"] = "console"
     MAX_BODY_BYTES: int = 1_000_000
     SHUTDOWN_GRACE_S: float = 10.0
+    # Tests only, never in production: "<where>:<marker>,..." fails every engine step that
+    # schedules a prompt containing <marker>, at "forward" or "step" (engine/faults.py).
+    FAULT_INJECTION: Annotated[str, msgspec.Meta(pattern=FAULT_SPEC_PATTERN)] = ""
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration from these settings (the one place they are mapped)."""
@@ -88,6 +92,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
             max_active_kv_tokens=self.MAX_ACTIVE_KV_TOKENS,
             enable_prefix_caching=self.PREFIX_CACHING,
             session_kv_quota_tokens=self.SESSION_KV_QUOTA_TOKENS,
+            faults=parse_fault_rules(self.FAULT_INJECTION),
         )
 
     @property

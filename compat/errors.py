@@ -134,6 +134,11 @@ def server_error(
     return ApiError(message, status=500, code="internal_error")
 
 
+def server_shutting_down(message: str) -> ApiError:
+    """503: this server is draining before it stops; another instance can take the request."""
+    return ApiError(message, status=503, code="server_shutting_down")
+
+
 def unsupported_parameter(param: str, reason: str) -> ApiError:
     return ApiError(
         f"Unsupported parameter: '{param}' is not supported by this server: {reason}",
@@ -191,6 +196,11 @@ def _param_from_path(path: str) -> str | None:
 
 def _join(parent: str | None, field: str) -> str:
     return f"{parent}.{field}" if parent else field
+
+
+def too_deeply_nested(what: str = "the JSON body of your request") -> ApiError:
+    """msgspec gives up on deep nesting with a RecursionError, which is no DecodeError."""
+    return ApiError(f"We could not parse {what}: it is nested too deeply.", code="invalid_json")
 
 
 def from_decode_error(exc: msgspec.DecodeError) -> ApiError:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from engine.host_memory import release_free_memory
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, StepFailed
 from engine.metrics import EngineGauges, ServingMetrics
 from engine.request import FinishReason, Sequence, StepOutput
 from engine.sched.admission import AddResult, AdmissionStatus
@@ -41,6 +41,21 @@ class EngineOverloaded(RuntimeError):
 
 class RequestTooLarge(ValueError):
     """The request can never fit the KV cache."""
+
+
+class EngineDraining(RuntimeError):
+    """The server is shutting down: nothing new is admitted, and the requests still running at
+    the end of the grace period fail with this."""
+
+
+class GenerationFailed(RuntimeError):
+    """The engine step computing this request failed; the request is over."""
+
+
+# How long drain() waits for the engine thread to end the requests it cut (between steps).
+_END_TIMEOUT_S = 5.0
+_CUT_MESSAGE = "The server shut down before this request finished."
+_FAILED_MESSAGE = "The engine failed while computing this request."
 
 
 @dataclass
@@ -94,7 +109,8 @@ class AsyncEngine:
         self._engine: LLMEngine | None = None
         self._metrics: ServingMetrics | None = None
         self._tracked: dict[str, _Tracked] = {}
-        self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
+        # Requests to end between steps: with an error to fail them with, or None (aborted).
+        self._aborts: queue.SimpleQueue[tuple[str, BaseException | None]] = queue.SimpleQueue()
         self._ended_sessions: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
@@ -128,14 +144,21 @@ class AsyncEngine:
         if failure:
             raise failure[0]
 
-    async def shutdown(self, grace_s: float = 10.0) -> None:
-        """Stop admitting, let in-flight requests finish for up to grace_s, abort the rest."""
+    async def drain(self, grace_s: float) -> int:
+        """Stop admitting, let in-flight requests finish for up to grace_s, then fail the rest
+        with EngineDraining, so that their streams end with an error rather than just stop.
+        Returns how many were cut."""
         self._accepting = False
-        deadline = time.monotonic() + grace_s
-        while self._tracked and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        for request_id in list(self._tracked):
-            self.abort(request_id)
+        await self._until_idle(grace_s)
+        cut = list(self._tracked)
+        for request_id in cut:
+            self._end_later(request_id, EngineDraining(_CUT_MESSAGE))
+        await self._until_idle(_END_TIMEOUT_S)
+        return len(cut)
+
+    async def shutdown(self, grace_s: float = 10.0) -> None:
+        """Drain (see drain()), then stop the engine thread."""
+        await self.drain(grace_s)
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
@@ -155,6 +178,11 @@ class AsyncEngine:
             raise RuntimeError("the engine is not started")
         return self._metrics
 
+    async def _until_idle(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self._tracked and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
     @property
     def is_healthy(self) -> bool:
         return self._accepting and self._thread is not None and self._thread.is_alive()
@@ -164,10 +192,10 @@ class AsyncEngine:
     def submit(self, seq: Sequence) -> RequestStream:
         """Admit `seq` (its request_id must be unique) and stream its outputs.
 
-        Raises EngineOverloaded (queue full, tenant/session limit, shutting down) or
-        RequestTooLarge (can never fit the KV cache)."""
+        Raises EngineOverloaded (queue full, tenant/session limit), EngineDraining (shutting
+        down) or RequestTooLarge (can never fit the KV cache)."""
         if not self._accepting:
-            raise EngineOverloaded("the server is shutting down", retry_after_s=5)
+            raise EngineDraining("The server is shutting down.")
         if seq.request_id in self._tracked:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
         tracked = _Tracked(seq, asyncio.get_running_loop(), asyncio.Queue())
@@ -183,8 +211,12 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its blocks are freed before the next step."""
+        self._end_later(request_id, None)
+
+    def _end_later(self, request_id: str, error: BaseException | None) -> None:
+        """Have the engine thread end a request before the next step (see _end)."""
         if request_id in self._tracked:
-            self._aborts.put(request_id)
+            self._aborts.put((request_id, error))
             self._wake.set()
 
     def end_session(self, tenant: str, session: str) -> None:
@@ -237,10 +269,15 @@ class AsyncEngine:
             was_busy = True
             try:
                 outputs = self.engine.step()
-            except Exception as exc:
-                # A bug or device failure: fail in-flight requests, keep serving.
-                log.exception("engine step failed")
-                self._fail_all(exc)
+            except StepFailed as exc:
+                # A bug or device failure in the step: its requests fail, the others go on.
+                log.exception("engine step failed", requests=len(exc.seqs))
+                self._fail([seq.request_id for seq in exc.seqs])
+                continue
+            except Exception:
+                # Scheduling itself failed: no request's state can be trusted.
+                log.exception("engine scheduling failed")
+                self._fail(list(self._tracked))
                 continue
             with self.engine.profile.phase("deliver"):
                 self._deliver(outputs)
@@ -250,21 +287,10 @@ class AsyncEngine:
         """Aborts, then ended sessions (after their aborted turns, which pin nothing)."""
         while True:
             try:
-                request_id = self._aborts.get_nowait()
+                request_id, error = self._aborts.get_nowait()
             except queue.Empty:
                 break
-            tracked = self._tracked.pop(request_id, None)
-            if tracked is not None and self.engine.abort(tracked.seq.seq_id):
-                self._push(
-                    tracked,
-                    StepOutput(
-                        request_id, [], "", finished=True, finish_reason=FinishReason.ABORT,
-                        num_prompt_tokens=tracked.seq.num_prompt_tokens,
-                        num_output_tokens=tracked.seq.num_output_tokens,
-                        num_cached_tokens=tracked.seq.num_cached_prompt_tokens,
-                    ),
-                )  # fmt: skip
-                self._record_finish(tracked, FinishReason.ABORT)
+            self._end(request_id, error)
         while not self._ended_sessions.empty():
             self.engine.scheduler.end_session(*self._ended_sessions.get_nowait())
 
@@ -297,11 +323,30 @@ class AsyncEngine:
             finish_reason=reason.value,
         )
 
-    def _fail_all(self, exc: BaseException) -> None:
-        for request_id, tracked in list(self._tracked.items()):
-            self.engine.abort(tracked.seq.seq_id)
-            self._push(tracked, RuntimeError(f"generation failed: {exc}"))
-            del self._tracked[request_id]
+    def _end(self, request_id: str, error: BaseException | None) -> None:
+        """On the engine thread: retire a request, freeing its blocks, and end its stream with
+        `error`, or as aborted when there is none."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return
+        self.engine.abort(tracked.seq.seq_id)
+        if error is not None:
+            self._push(tracked, error)
+            return
+        self._push(
+            tracked,
+            StepOutput(
+                request_id, [], "", finished=True, finish_reason=FinishReason.ABORT,
+                num_prompt_tokens=tracked.seq.num_prompt_tokens,
+                num_output_tokens=tracked.seq.num_output_tokens,
+                num_cached_tokens=tracked.seq.num_cached_prompt_tokens,
+            ),
+        )  # fmt: skip
+        self._record_finish(tracked, FinishReason.ABORT)
+
+    def _fail(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._end(request_id, GenerationFailed(_FAILED_MESSAGE))
 
     @staticmethod
     def _push(tracked: _Tracked, item: StepOutput | BaseException) -> None:

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.backends.base import InferenceBackend
 from engine.detokenizer import IncrementalDetokenizer, check_stop
+from engine.faults import FaultInjector, FaultRule
 from engine.kv.manager import KVCacheManager
 from engine.kv.sizing import blocks_per_group
 from engine.model.kv_cache import cache_group_specs
@@ -25,6 +26,7 @@ from engine.request import FinishReason, Sequence, StepOutput, TokenLogprob
 from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplingRow
 from engine.sched.admission import AddResult
+from engine.sched.output import SchedulerOutput
 from engine.sched.scheduler import Scheduler, SchedulerConfig
 from engine.step_profile import StepProfile
 
@@ -45,6 +47,17 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # The most KV one tenant's sessions keep pinned between turns; None: no quota.
     session_kv_quota_tokens: int | None = 16384
+    faults: tuple[FaultRule, ...] = ()  # FAULT_INJECTION's rules (tests only; engine.faults)
+
+
+class StepFailed(RuntimeError):
+    """A step raised after scheduling. The sequences in it are in an unknown state and must be
+    retired; every other sequence is as scheduling left it and can go on. The original error
+    is the __cause__."""
+
+    def __init__(self, seqs: list[Sequence]) -> None:
+        super().__init__(f"an engine step failed with {len(seqs)} sequences in it")
+        self.seqs = seqs
 
 
 class LLMEngine:
@@ -75,6 +88,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(self.eos_token_ids)
         self.profile = StepProfile()  # where each step's time goes (the async engine adds deliver)
+        self.faults = FaultInjector(config.faults, tokenizer) if config.faults else None
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self.num_steps = 0
 
@@ -115,7 +129,8 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Sequence, StepOutput]]:
-        """Run one iteration; returns the output of every sequence that produced a token."""
+        """Run one iteration; returns the output of every sequence that produced a token.
+        Raises StepFailed when anything after scheduling fails."""
         profile = self.profile
         profile.begin_step()
         with profile.phase("schedule"):
@@ -123,9 +138,22 @@ class LLMEngine:
         if plan.is_empty:
             profile.cancel_step()
             return []
+        try:
+            outputs = self._run(plan)
+        except Exception as exc:
+            profile.cancel_step()
+            raise StepFailed([item.seq for item in plan.scheduled]) from exc
+        self.num_steps += 1
+        return outputs
+
+    def _run(self, plan: SchedulerOutput) -> list[tuple[Sequence, StepOutput]]:
+        """Forward, sample and detokenize the scheduled chunks, then update the scheduler."""
+        profile, faults = self.profile, self.faults  # faults: None unless FAULT_INJECTION is set
         with profile.phase("batch"):
             batch = self.runner.prepare(plan.scheduled, self.kv)
         with profile.phase("forward"):
+            if faults is not None:
+                faults.check("forward", plan.scheduled)
             result = self.runner.forward(batch)
             if result.attention_mass is not None:
                 self.runner.record_attention(plan.scheduled, batch, result.attention_mass, self.kv)
@@ -143,9 +171,10 @@ class LLMEngine:
                     sampling, sampled.token_ids, sampled.logprobs, strict=True
                 ):
                     outputs.append(self._emit(seq, token, logprob, finished))
+        if faults is not None:
+            faults.check("step", plan.scheduled)
         with profile.phase("schedule"):
             self.scheduler.update(plan, finished)
-        self.num_steps += 1
         return outputs
 
     def _emit(

@@ -73,6 +73,8 @@ def prepare_model(name: str = EMBEDDED_MODEL) -> tuple[str, Path]:
     if Path(name).expanduser().is_dir():
         directory = Path(name).expanduser()
         return directory.name, directory
+    if name.startswith(("/", ".", "~")):  # a path (hub ids never start so)
+        raise ModelLoadError(f"no checkpoint directory at {name}")
     if "/" in name and not Path(name).exists():
         return name, _download(name)
     raise ModelLoadError(
