@@ -11,17 +11,24 @@ from litestar import Request, Response, get, post
 from litestar.response import Stream
 
 from app.auth import identity_for, tenant_for_key
+from app.openapi import operation
 from app.server import ServerState
 from compat.chat_template import render_chat_prompt
 from compat.engine_mapping import check_token_ids
 from compat.errors import ApiError
 from compat.request_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     decode_chat_completion_request,
     decode_completion_request,
     decode_detokenize_request,
     decode_tokenize_request,
 )
 from compat.response_types import (
+    ChatCompletion,
+    Completion,
     DetokenizeResponse,
     Model,
     ModelList,
@@ -89,7 +96,7 @@ def _sse_response(chunks: AsyncIterator[object]) -> Stream:
     )
 
 
-@get("/v1/models")
+@get("/v1/models", operation_class=operation(ModelList))
 async def list_models(request: Request) -> Response:
     _authorize(request)
     state = _state(request)
@@ -102,7 +109,7 @@ async def list_models(request: Request) -> Response:
     return _json(ModelList(data=[model]))
 
 
-@get("/v1/models/{model_id:path}")
+@get("/v1/models/{model_id:path}", operation_class=operation(Model))
 async def retrieve_model(request: Request, model_id: str) -> Response:
     _authorize(request)
     state = _state(request)
@@ -115,7 +122,11 @@ async def retrieve_model(request: Request, model_id: str) -> Response:
     )  # fmt: skip
 
 
-@post("/v1/completions", status_code=200)
+@post(
+    "/v1/completions",
+    status_code=200,
+    operation_class=operation(Completion, CompletionRequest, streams=True),
+)
 async def completions(request: Request) -> Response | Stream:
     state = _state(request)
     key_tenant = _authorize(request)
@@ -126,7 +137,11 @@ async def completions(request: Request) -> Response | Stream:
     return _json(await _until_disconnect(request, state.service.completion(req, identity)))
 
 
-@post("/v1/chat/completions", status_code=200)
+@post(
+    "/v1/chat/completions",
+    status_code=200,
+    operation_class=operation(ChatCompletion, ChatCompletionRequest, streams=True),
+)
 async def chat_completions(request: Request) -> Response | Stream:
     state = _state(request)
     key_tenant = _authorize(request)
@@ -139,7 +154,7 @@ async def chat_completions(request: Request) -> Response | Stream:
     return _json(await _until_disconnect(request, state.service.chat(req, identity)))
 
 
-@post("/tokenize", status_code=200)
+@post("/tokenize", status_code=200, operation_class=operation(TokenizeResponse, TokenizeRequest))
 async def tokenize(request: Request) -> Response:
     _authorize(request)
     service = _state(request).service
@@ -161,7 +176,11 @@ async def tokenize(request: Request) -> Response:
     return _json(response)
 
 
-@post("/detokenize", status_code=200)
+@post(
+    "/detokenize",
+    status_code=200,
+    operation_class=operation(DetokenizeResponse, DetokenizeRequest),
+)
 async def detokenize(request: Request) -> Response:
     _authorize(request)
     service = _state(request).service

@@ -27,7 +27,7 @@ from msgspec import UNSET, UnsetType
 from app.auth import identity_for, tenant_for_key
 from app.generation import ChoiceState, GenerationService, Identity, usage_of
 from app.server import ServerState
-from compat.errors import ApiError, ErrorDetail, invalid_value, server_error
+from compat.errors import ApiError, ErrorDetail, invalid_value, server_error, too_deeply_nested
 from compat.logprobs import chat_logprobs, completion_logprobs
 from compat.request_types import (
     ChatCompletionRequest,
@@ -232,6 +232,8 @@ class WsConnection:
             raise ApiError(
                 f"We could not parse the message as JSON: {exc}", code="invalid_json"
             ) from None
+        except RecursionError:
+            raise too_deeply_nested("the message as JSON") from None
         if not isinstance(message, dict):
             raise ApiError("A message must be a JSON object with a 'type'.", code="invalid_type")
         return message

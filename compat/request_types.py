@@ -18,6 +18,7 @@ from compat.errors import (
     ApiError,
     from_decode_error,
     invalid_value,
+    too_deeply_nested,
     unsupported_parameter,
     unsupported_value,
 )
@@ -34,6 +35,11 @@ Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_SEQUENC
 LogitBias = Annotated[
     dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=MAX_LOGIT_BIAS_ENTRIES)
 ]
+
+
+# A field of the spec we cannot honour: decoded as anything, so that a value is refused by
+# name (unsupported_parameter), but documented (/schema) as what is served, null.
+Refused = Annotated[Any, Meta(extra_json_schema={"type": "null"})]
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -58,7 +64,8 @@ class _SamplingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     # vLLM extensions.
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    # The sampler holds top_k in an int64 tensor; past the vocabulary it keeps every token anyway.
+    top_k: Annotated[int, Meta(ge=-1, le=2**63 - 1)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     stop_token_ids: list[TokenId] | None = None
@@ -142,28 +149,29 @@ class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     """One element of a message's `content` list. Only text parts are served; the other
     OpenAI part kinds are declared so that they are refused by name, not as unknown."""
 
-    type: str
+    type: Annotated[str, Meta(extra_json_schema={"enum": ["text"]})]
     text: str | None = None
-    image_url: Any = None
-    input_audio: Any = None
-    file: Any = None
-    refusal: Any = None
-    prompt_cache_breakpoint: Any = None
+    image_url: Refused = None
+    input_audio: Refused = None
+    file: Refused = None
+    refusal: Refused = None
+    prompt_cache_breakpoint: Refused = None
 
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    role: Role
+    # The tool roles decode, to be refused by name; /schema leaves them out.
+    role: Annotated[Role, Meta(extra_json_schema={"not": {"enum": ["tool", "function"]}})]
     content: str | Annotated[list[ContentPart], Meta(min_length=1)] | None = None
     name: str | None = None
     # Assistant/tool fields of the spec, refused by name when set.
-    refusal: Any = None
-    tool_calls: Any = None
-    tool_call_id: Any = None
-    function_call: Any = None
-    audio: Any = None
+    refusal: Refused = None
+    tool_calls: Refused = None
+    tool_call_id: Refused = None
+    function_call: Refused = None
+    audio: Refused = None
 
     def text(self) -> str:
         """The message text; text parts are joined with newlines."""
@@ -225,16 +233,16 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True, forbid_unknown_field
     tools: list[Any] | None = None
     tool_choice: Any = None
     function_call: Any = None
-    functions: Any = None
-    audio: Any = None
-    prediction: Any = None
-    web_search_options: Any = None
-    verbosity: Any = None
+    functions: Refused = None
+    audio: Refused = None
+    prediction: Refused = None
+    web_search_options: Refused = None
+    verbosity: Refused = None
     store: bool | None = None
-    metadata: Any = None
-    moderation: Any = None
+    metadata: Refused = None
+    moderation: Refused = None
     prompt_cache_retention: str | None = None
-    prompt_cache_options: Any = None
+    prompt_cache_options: Refused = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -340,6 +348,8 @@ def _decode(body: Body, type_: type[T]) -> T:
         return msgspec.json.decode(body, type=type_)
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
         raise from_decode_error(exc) from None
+    except RecursionError:  # deep nesting inside a field typed Any (metadata, tool_calls, ...)
+        raise too_deeply_nested() from None
 
 
 def decode_completion_request(body: Body) -> CompletionRequest:

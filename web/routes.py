@@ -11,13 +11,15 @@ from pathlib import Path
 
 import msgspec
 from litestar import Request, Response, get, post
+from litestar.openapi.spec import OpenAPIType, Schema
 from litestar.static_files import create_static_files_router
 from litestar.types import ControllerRouterHandler
 
 from app.auth import require_api_key, require_ops_key
+from app.openapi import json_object_operation, operation
 from app.server import ServerState
 from compat.errors import ApiError
-from web.loadgen import LoadGenerator, decode_load_config
+from web.loadgen import LoadConfig, LoadGenerator, decode_load_config
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 JSON = "application/json"
@@ -52,7 +54,15 @@ async def dashboard() -> Response:
     return Response((STATIC_DIR / "index.html").read_bytes(), media_type="text/html")
 
 
-@post("/api/loadgen/start", status_code=200, guards=[require_api_key])
+_STATUS = "The load generator's status and results."
+
+
+@post(
+    "/api/loadgen/start",
+    status_code=200,
+    guards=[require_api_key],
+    operation_class=operation(Schema(type=OpenAPIType.OBJECT, description=_STATUS), LoadConfig),
+)
 async def loadgen_start(request: Request) -> Response:
     config = decode_load_config(await request.body())
     generator = _load_generator(request)
@@ -67,14 +77,21 @@ async def loadgen_start(request: Request) -> Response:
     return _json(generator.status())
 
 
-@post("/api/loadgen/stop", status_code=200, guards=[require_api_key])
+@post(
+    "/api/loadgen/stop",
+    status_code=200,
+    guards=[require_api_key],
+    operation_class=json_object_operation(_STATUS),
+)
 async def loadgen_stop(request: Request) -> Response:
     generator = _load_generator(request)
     await generator.stop()
     return _json(generator.status())
 
 
-@get("/api/loadgen/status", guards=[require_ops_key])
+@get(
+    "/api/loadgen/status", guards=[require_ops_key], operation_class=json_object_operation(_STATUS)
+)
 async def loadgen_status(request: Request) -> Response:
     return _json(_load_generator(request).status())
 
