@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from engine.host_memory import release_free_memory
+from engine.host_memory import HeapTrimmer
 from engine.llm_engine import LLMEngine, StepFailed
 from engine.metrics import EngineGauges, ServingMetrics
 from engine.request import FinishReason, Sequence, StepOutput
@@ -256,17 +256,15 @@ class AsyncEngine:
     # ------------------------------------------------------------------ the loop
 
     def _run(self) -> None:
-        was_busy = False
+        trimmer = HeapTrimmer()
         while not self._stopping:
             self._apply_aborts()
             if not self.engine.has_work:
-                if was_busy:  # the work just ran out: a good moment to give memory back
-                    release_free_memory()
-                    was_busy = False
+                trimmer.on_idle()  # the work just ran out: a good moment to give memory back
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
-            was_busy = True
+            trimmer.on_step()
             try:
                 outputs = self.engine.step()
             except StepFailed as exc:

@@ -86,18 +86,8 @@ async def test_a_websocket_session_keeps_its_kv_for_20_turns_under_churn(small_s
         assert json.loads(await ws.recv())["type"] == "session.started"
         async with churn(small_server) as load:
             for turn in range(20):
-                await ws.send(json.dumps({
-                    "type": "generate", "id": f"t{turn}", "session": "long-chat",
-                    "model": MODEL_ID, "temperature": 0, "max_tokens": 8,
-                    "messages": [{"role": "user", "content": f"Turn {turn}: tell me more."}],
-                }))  # fmt: skip
-                while (event := json.loads(await asyncio.wait_for(ws.recv(), 120)))["type"] not in (
-                    "done",
-                    "error",
-                ):
-                    pass
-                assert event["type"] == "done", event
-                usages.append(event["usage"])
+                text = f"Turn {turn}: tell me more."
+                usages.append(await session_turn(ws, f"t{turn}", "long-chat", text, max_tokens=8))
                 await asyncio.sleep(0.3)  # let the load run between turns
         pinned = await kv_stats(small_server)
         assert pinned["pinned_sessions"] >= 1
@@ -137,12 +127,13 @@ async def test_a_chat_with_a_session_header_keeps_its_kv_under_churn(small_serve
 
 
 async def session_turn(
-    ws: ClientConnection, turn_id: str, session: str, text: str
+    ws: ClientConnection, turn_id: str, session: str, text: str, max_tokens: int = 16
 ) -> dict[str, Any]:
     """One chat turn of `session`; the usage of its `done`."""
     await ws.send(json.dumps({
         "type": "generate", "id": turn_id, "session": session, "model": MODEL_ID,
-        "temperature": 0, "max_tokens": 16, "messages": [{"role": "user", "content": text}],
+        "temperature": 0, "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": text}],
     }))  # fmt: skip
     while (event := json.loads(await asyncio.wait_for(ws.recv(), 120)))["type"] not in (
         "done",
