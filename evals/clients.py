@@ -12,6 +12,7 @@ Each call returns an Outcome whose `kind` says how the request ended, from the c
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -160,3 +161,16 @@ async def ws_request(
     finally:
         outcome.seconds = time.perf_counter() - start
     return outcome
+
+
+async def settled_metrics(client: httpx.AsyncClient, timeout_s: float = 120.0) -> dict:
+    """/api/metrics once no request runs or waits and the KV manager holds no sequence (the
+    server applies hang-ups between steps), or as it is after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        snapshot = (await client.get("/api/metrics")).json()
+        sched = snapshot["scheduler"]
+        idle = sched["num_running"] == sched["num_waiting"] == snapshot["kv"]["num_sequences"] == 0
+        if idle or time.monotonic() > deadline:
+            return snapshot
+        await asyncio.sleep(0.2)

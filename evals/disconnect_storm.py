@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from evals.clients import Outcome, http_request, request_body, ws_request
+from evals.clients import Outcome, http_request, request_body, settled_metrics, ws_request
 from evals.harness import RESULTS, running_server, write_results
 
 PREFILL_PROMPT_TOKENS = 600  # several 256-token prefill chunks: a hang-up lands mid-prefill
@@ -34,8 +34,7 @@ STORM_SETTINGS = {
 }
 
 
-async def kv_state(client: httpx.AsyncClient) -> dict:
-    snapshot = (await client.get("/api/metrics")).json()
+def kv_state(snapshot: dict) -> dict:
     kv, sched = snapshot["kv"], snapshot["scheduler"]
     return {
         # Blocks held by anyone (cached-only blocks are free for new work).
@@ -45,18 +44,6 @@ async def kv_state(client: httpx.AsyncClient) -> dict:
         "waiting": sched["num_waiting"],
         "aborted": sched["num_aborted"],
     }
-
-
-async def settle(client: httpx.AsyncClient, timeout_s: float = 60.0) -> dict:
-    """The KV state once nothing runs or waits (the server applies aborts between steps)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = await kv_state(client)
-        if state["sequences"] == state["running"] == state["waiting"] == 0:
-            return state
-        if time.monotonic() > deadline:
-            return state
-        await asyncio.sleep(0.2)
 
 
 async def one_disconnect(
@@ -79,7 +66,7 @@ async def storm(base: str, disconnects: int, concurrency: int, seed: int) -> dic
     async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as client:
         warm = request_body("completions", [1000] * 8, max_tokens=2)
         await http_request(client, "completions", warm, stream=False)
-        before = await settle(client)
+        before = kv_state(await settled_metrics(client))
         queue: asyncio.Queue[int] = asyncio.Queue()
         for index in range(disconnects):
             queue.put_nowait(index)
@@ -92,7 +79,7 @@ async def storm(base: str, disconnects: int, concurrency: int, seed: int) -> dic
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - start
-        after = await settle(client)
+        after = kv_state(await settled_metrics(client))
         healthy = (await client.get("/health")).status_code == 200
     kinds = Counter(f"{o.transport}:{o.kind}" for o in outcomes)
     return {

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from evals.clients import Outcome, http_request, request_body, ws_request
+from evals.clients import Outcome, http_request, request_body, settled_metrics, ws_request
 from evals.harness import RESULTS, rss_bytes, running_server_process, write_results
 from evals.plots import plt
 
@@ -89,22 +89,11 @@ async def measure_capacity(
     return done / (time.perf_counter() - start)
 
 
-async def engine_state(client: httpx.AsyncClient) -> tuple[int, int, int]:
-    """(blocks in use in the primary group, waiting, running)."""
-    snapshot = (await client.get("/api/metrics")).json()
+def engine_state(snapshot: dict) -> tuple[int, int, int]:
+    """(blocks in use in the primary group, waiting, running) of an /api/metrics snapshot."""
     primary = next(iter(snapshot["kv"]["groups"].values()))
     sched = snapshot["scheduler"]
     return primary["in_use"], sched["num_waiting"], sched["num_running"]
-
-
-async def settle(client: httpx.AsyncClient, timeout_s: float = 120.0) -> tuple[int, int, int]:
-    """The engine state once nothing waits or runs (or after `timeout_s`)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = await engine_state(client)
-        if state[1:] == (0, 0) or time.monotonic() > deadline:
-            return state
-        await asyncio.sleep(0.5)
 
 
 async def soak(base: str, pid: int, args: argparse.Namespace) -> dict:
@@ -113,7 +102,7 @@ async def soak(base: str, pid: int, args: argparse.Namespace) -> dict:
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
         capacity = await measure_capacity(client, base, args.capacity_s, args.concurrency, rng)
         await asyncio.sleep(1.0)  # the engine idles: its heap is trimmed
-        baseline_blocks, _, _ = await settle(client)
+        baseline_blocks, _, _ = engine_state(await settled_metrics(client))
         baseline_rss = rss_bytes(pid)
         rate = args.overload * capacity
         samples: list[Sample] = []
@@ -123,7 +112,7 @@ async def soak(base: str, pid: int, args: argparse.Namespace) -> dict:
 
         async def sampler() -> None:
             while True:
-                blocks, waiting, running = await engine_state(client)
+                blocks, waiting, running = engine_state((await client.get("/api/metrics")).json())
                 t_s = time.perf_counter() - start
                 samples.append(Sample(t_s, blocks, waiting, running, rss_bytes(pid) / 2**20))
                 await asyncio.sleep(1.0)
@@ -138,7 +127,8 @@ async def soak(base: str, pid: int, args: argparse.Namespace) -> dict:
             await asyncio.sleep(min(rng.expovariate(rate), max(stop - now, 0)))
         await asyncio.gather(*tasks)
         drained_s = time.perf_counter() - stop
-        final_blocks, final_waiting, final_running = await settle(client)
+        final = engine_state(await settled_metrics(client))
+        final_blocks, final_waiting, final_running = final
         await asyncio.sleep(1.0)
         final_rss = rss_bytes(pid)
         sampling.cancel()

@@ -14,7 +14,6 @@ import json
 import socket
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -22,6 +21,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 from websockets.frames import CloseCode
 
+from evals.harness import rss_bytes
 from tests.conftest import MODEL_ID, RunningServer, start_server, stop_server
 from tests.gateway_helpers import api_metrics, wait_until
 from tests.openapi_schema import validate
@@ -40,9 +40,7 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]
 
 
 def rss_kb(server: RunningServer) -> int:
-    status = Path(f"/proc/{server.process.pid}/status").read_text()
-    line = next(line for line in status.splitlines() if line.startswith("VmRSS:"))
-    return int(line.split()[1])
+    return rss_bytes(server.process.pid) // 1024
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
+from evals.harness import rss_bytes
 from tests.conftest import MODEL_ID, RunningServer, start_server, stop_server
 
 pytestmark = pytest.mark.slow
@@ -39,13 +39,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     )
     yield running
     stop_server(running)
-
-
-def rss_bytes(pid: int) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    match = re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE)
-    assert match, status
-    return int(match.group(1)) * 1024
 
 
 async def send_users(client: httpx.AsyncClient, users: range) -> None:

@@ -62,6 +62,11 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")
 
 
+def _prefilling(seq: Sequence) -> bool:
+    """Whether a running seq still has prompt (or recomputed) tokens beyond its next one."""
+    return seq.num_tokens - seq.num_computed_tokens > 1
+
+
 def _urgency(seq: Sequence) -> tuple[int, float, int]:
     """Sort key, most urgent first: lower priority value, then earlier arrival."""
     return (seq.priority, seq.arrival_time, seq.seq_id)
@@ -235,7 +240,7 @@ class Scheduler:
         """The sequences waiting for prefill tokens: the waiting queue, then running
         sequences whose prompt is not all computed (chunked prefill serves a prompt piece by
         piece, so these still queue for the step's budget)."""
-        return self.waiting + [s for s in self.running if self._remaining(s) > 1]
+        return self.waiting + [s for s in self.running if _prefilling(s)]
 
     def end_session(self, tenant: str, session: str) -> bool:
         """A conversation ended: release its pinned KV to the prefix cache (reclaimable)."""
@@ -266,9 +271,7 @@ class Scheduler:
             counters = self.policy.counters()
             running = Counter(s.tenant for s in self.running)
             waiting = Counter(s.tenant for s in self.waiting)
-            prefilling = Counter(
-                s.tenant for s in self.running if s.num_tokens - s.num_computed_tokens > 1
-            )
+            prefilling = Counter(s.tenant for s in self.running if _prefilling(s))
             tenants: dict[str, TenantStats] = {}
             names = set(self.ledger.tenants) | set(counters) | set(running) | set(waiting)
             for name in sorted(names):
@@ -361,7 +364,7 @@ class Scheduler:
         The policy's prefill rank decides first (vtc: the tenant with the smallest counter, so
         an under-served tenant's prompt is not queued behind others' long prompts); on a tie,
         running sequences before admissions, each most urgent first."""
-        candidates = [s for s in pending.values() if self._remaining(s) > 1]
+        candidates = [s for s in pending.values() if _prefilling(s)]
         if admitting and self.waiting and len(self.running) < self.config.max_num_seqs:
             candidates.append(self.policy.select(self.waiting))
         if not candidates:
