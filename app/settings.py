@@ -25,10 +25,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     BACKEND: Literal["custom", "hf"] = "custom"
     DEVICE: Literal["cuda", "mps", "cpu"] | None = None  # None: auto-detect
     DTYPE: Literal["float32", "bfloat16", "float16"] | None = None  # None: by device
-    # Linear-layer kernels (engine.model.linear_kernels): int8 weights, or DTYPE weights computed
-    # bit-exact to transformers (exact) or through pre-packed oneDNN kernels on CPU (fast).
-    # auto: int8 on CPU, DTYPE weights on a GPU.
-    WEIGHTS: Literal["auto", "fp32", "int8"] = "auto"
+    # Linear-layer kernels (engine.model.linear_kernels): bf16 or int8 weights (CPU), or DTYPE
+    # weights computed bit-exact to transformers (exact) or through pre-packed oneDNN kernels on
+    # CPU (fast). auto: bf16 on a CPU with AMX, int8 on other CPUs, DTYPE weights on a GPU.
+    WEIGHTS: Literal["auto", "fp32", "bf16", "int8"] = "auto"
     NUMERICS: Literal["exact", "fast"] = "exact"
     MAX_BATCH_SIZE: int = 32
     MAX_ACTIVE_KV_TOKENS: int | None = None  # None: sized from memory

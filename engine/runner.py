@@ -58,7 +58,14 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Write the batch's new K/V into the cache, attend, return the wanted logits."""
-        step = PagedAttentionStep(batch, self.kv_cache, self.windows, self.device, self.dtype)
+        step = PagedAttentionStep(
+            batch,
+            self.kv_cache,
+            self.windows,
+            self.device,
+            self.dtype,
+            fused=not self.backend.exact,
+        )
         logits = self.backend.forward(
             batch.input_ids.to(self.device),
             batch.positions.to(self.device),

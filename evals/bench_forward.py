@@ -100,6 +100,7 @@ def main() -> None:
     results = {
         "custom fp32 exact": engine_speed("custom", loaded, prompts, decode),
         "custom fp32 fast (packed)": engine_speed("custom", loaded, prompts, decode, "packed"),
+        "custom bf16": engine_speed("custom", loaded, prompts, decode, "bf16"),
         "custom int8": engine_speed("custom", loaded, prompts, decode, "int8"),
         "hf (transformers model, engine)": engine_speed("hf", loaded, prompts, decode),
         "transformers generate": generate_speed(loaded, prompts, args.decode_tokens),

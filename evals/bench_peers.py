@@ -115,6 +115,7 @@ def _tuning_libraries() -> list[Path]:
 def engines(max_users: int) -> dict[str, Launcher | None]:
     """Every engine by name: a launcher yielding its base URL, or None when not installed."""
     ours = {
+        "gemma-serve bf16": {"WEIGHTS": "bf16"},
         "gemma-serve int8": {"WEIGHTS": "int8"},
         "gemma-serve fp32 fast": {"WEIGHTS": "fp32", "NUMERICS": "fast"},
         "gemma-serve fp32 exact": {"WEIGHTS": "fp32", "NUMERICS": "exact"},

@@ -387,7 +387,7 @@ def main() -> None:
     parser.add_argument(
         "--no-h2o-sliding", action="store_true", help="skip h2o with sliding-layer mass"
     )
-    parser.add_argument("--kernel", default="packed", choices=["exact", "packed", "int8"])
+    parser.add_argument("--kernel", default="packed", choices=["exact", "packed", "bf16", "int8"])
     parser.add_argument("--fast", action="store_true", help="256-token context, GPL-3 only")
     parser.add_argument("--name", default="eviction", help="results file name under results/")
     args = parser.parse_args()

@@ -2,8 +2,9 @@
 
     python -m evals.quality [--context 512] [--prompts 100] [--new-tokens 32]
 
-Modes: float32 exact (bit-equal to transformers), float32 fast (pre-packed oneDNN) and int8
-(fbgemm, per-row activation scales); see engine/model/linear_kernels.py.
+Modes: float32 exact (bit-equal to transformers), float32 fast (pre-packed oneDNN), bf16
+(oneDNN bfloat16 weights and activations) and int8 (fbgemm, per-row activation scales); see
+engine/model/linear_kernels.py.
 
 - Perplexity, computed as llama.cpp's `llama-perplexity` does: the text is tokenized once (BOS
   first) and cut into chunks of `--context` tokens, each chunk's first token is made BOS, and only
@@ -37,7 +38,12 @@ from evals.harness import hf_reference_model, llama_binary, write_results
 from evals.plots import bar_chart
 
 TEXT_PATH = Path("/usr/share/common-licenses/GPL-3")
-MODES = {"fp32 exact": ("fp32", "exact"), "fp32 fast": ("fp32", "fast"), "int8": ("int8", "fast")}
+MODES = {
+    "fp32 exact": ("fp32", "exact"),
+    "fp32 fast": ("fp32", "fast"),
+    "bf16": ("bf16", "fast"),
+    "int8": ("int8", "fast"),
+}
 CPU = torch.device("cpu")
 
 

@@ -1,8 +1,8 @@
 """Linear-layer kernels: which one each setting picks, and how far each is from exact float32.
 
 `exact` is bit-equal to transformers (the forward tests prove that). `packed` (oneDNN) is the same
-maths in another order: bounded to float32 rounding. `int8` (fbgemm) is approximate: bounded
-by measured quality on the real model rather than by a logit tolerance.
+maths in another order: bounded to float32 rounding. `bf16` (oneDNN) and `int8` (fbgemm) are
+approximate: bounded by measured quality on the real model rather than by a logit tolerance.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import torch.nn.functional as F
 
 from engine.backends.custom import CustomBackend
 from engine.model.linear_kernels import (
+    BFloat16Linear,
     DynamicInt8Linear,
     PackedLinear,
+    has_amx,
     kernel_for,
     make_linear,
     quantize_model,
@@ -29,15 +31,18 @@ LICENSE_TEXT = Path("/usr/share/common-licenses/GPL-3")  # Debian's base-files: 
 
 
 def test_kernel_choice() -> None:
-    assert kernel_for("auto", "exact", CPU) == "int8"  # the measured choice on CPU
+    # The measured choice on CPU: bf16 on AMX tiles, int8 without them.
+    assert kernel_for("auto", "exact", CPU) == ("bf16" if has_amx() else "int8")
     assert kernel_for("auto", "exact", torch.device("cuda")) == "exact"
     assert kernel_for("fp32", "exact", CPU) == "exact"
     assert kernel_for("fp32", "fast", CPU) == "packed"
     assert kernel_for("int8", "exact", CPU) == "int8"
     assert kernel_for("int8", "fast", CPU) == "int8"
+    assert kernel_for("bf16", "exact", CPU) == "bf16"
     assert kernel_for("fp32", "fast", torch.device("cuda")) == "exact"  # oneDNN is CPU-only
-    with pytest.raises(ValueError, match="CPU kernel"):
-        kernel_for("int8", "fast", torch.device("cuda"))
+    for weights in ("int8", "bf16"):
+        with pytest.raises(ValueError, match="CPU kernel"):
+            kernel_for(weights, "fast", torch.device("cuda"))
     with pytest.raises(ValueError, match="WEIGHTS"):
         kernel_for("int4", "fast", CPU)
     with pytest.raises(ValueError, match="NUMERICS"):
@@ -45,9 +50,10 @@ def test_kernel_choice() -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 5, 33])
-@pytest.mark.parametrize("kernel", ["packed", "int8"])
+@pytest.mark.parametrize("kernel", ["packed", "bf16", "int8"])
 def test_kernel_against_float32(kernel: str, rows: int) -> None:
-    """packed: float32 rounding away; int8: a few percent off (int8 on both sides), never 0."""
+    """packed: float32 rounding away; bf16: bfloat16 rounding (8 bits of mantissa) of inputs,
+    weights and outputs, under 1%; int8: a few percent off (int8 on both sides); never 0."""
     torch.manual_seed(rows)
     weight, x = torch.randn(96, 64), torch.randn(rows, 64)
     expected = F.linear(x, weight)
@@ -57,7 +63,7 @@ def test_kernel_against_float32(kernel: str, rows: int) -> None:
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     else:
         relative = ((got - expected).norm() / expected.norm()).item()
-        assert 0 < relative < 0.03
+        assert 0 < relative < (0.01 if kernel == "bf16" else 0.03)
 
 
 def test_int8_linear_rows_do_not_depend_on_the_batch() -> None:
@@ -84,6 +90,7 @@ def test_quantize_model_replaces_every_linear() -> None:
         quantize_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), "int8")
     assert isinstance(make_linear("int8", torch.randn(4, 4)), DynamicInt8Linear)
     assert isinstance(make_linear("packed", torch.randn(4, 4)), PackedLinear)
+    assert isinstance(make_linear("bf16", torch.randn(4, 4)), BFloat16Linear)
 
 
 def _driver(model, kernel: str) -> PagedDriver:
@@ -125,14 +132,22 @@ def test_packed_kernels_on_the_real_model(embedded_model) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not LICENSE_TEXT.exists(), reason="needs Debian's /usr/share/common-licenses")
-def test_int8_quality_on_the_real_model(embedded_model) -> None:
-    """WEIGHTS=int8 on 256 tokens of plain English, against float32 (bounds from evals/quality)."""
+@pytest.mark.parametrize(
+    ("kernel", "min_agreement", "max_ratio"),
+    # Measured here: bf16 agrees on 98.8% of next-token choices at perplexity x1.002; int8 on
+    # 87-91% at x1.055-1.075. For int8, per-tensor activation scales (fbgemm's own) gave 61% and
+    # x1.75, and 7-bit activations x1.12: the bounds catch both.
+    [("bf16", 0.95, 1.01), ("int8", 0.8, 1.1)],
+)
+def test_approximate_quality_on_the_real_model(
+    embedded_model, kernel: str, min_agreement: float, max_ratio: float
+) -> None:
+    """WEIGHTS=bf16 and int8 on 256 tokens of plain English, against float32 (bounds from
+    evals/quality)."""
     ids = embedded_model.tokenizer(LICENSE_TEXT.read_text()[:4000]).input_ids[:256]
     exact = _prefill_logits(embedded_model, "exact", ids)
-    int8 = _prefill_logits(embedded_model, "int8", ids)
-    agree = (int8.argmax(-1) == exact.argmax(-1)).float().mean().item()
-    ratio = _perplexity(int8, ids) / _perplexity(exact, ids)
-    assert not torch.equal(int8, exact)
-    # Measured here: 87% of next-token choices agree, perplexity x1.055. Per-tensor activation
-    # scales (fbgemm's own) gave 61% and x1.75, and 7-bit activations x1.12: the bounds catch both.
-    assert agree > 0.8 and ratio < 1.1, (agree, ratio)
+    approximate = _prefill_logits(embedded_model, kernel, ids)
+    agree = (approximate.argmax(-1) == exact.argmax(-1)).float().mean().item()
+    ratio = _perplexity(approximate, ids) / _perplexity(exact, ids)
+    assert not torch.equal(approximate, exact)
+    assert agree > min_agreement and ratio < max_ratio, (agree, ratio)

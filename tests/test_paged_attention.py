@@ -137,6 +137,35 @@ def test_mixed_batch_matches_reference(group_name, layer, softcap, query_slices,
         assert step.attention_mass() is not None  # collected for the full group only
 
 
+@pytest.mark.parametrize("group_name, layer", [("sliding", 0), ("full", 1)])
+@pytest.mark.parametrize("collect_attention", [False, True])
+def test_fused_attention_matches_reference(group_name, layer, collect_attention, monkeypatch):
+    """fused=True (every mode but NUMERICS=exact): scaled_dot_product_attention over the same
+    mixed batch, to float32 rounding of the float64 reference. A step that collects attention
+    mass (h2o) keeps the explicit softmax, and its mass is still right."""
+    arch = tiny_arch()
+    cache = PagedKVCache(arch, num_blocks=50, block_size=4, device=CPU, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    for pool in (cache.keys[layer], cache.values[layer]):
+        pool.copy_(torch.randn(pool.shape, generator=generator))
+    batch = mixed_batch(collect_attention=collect_attention)
+    if not collect_attention:  # the explicit path must not run at all
+        monkeypatch.setattr(paged_attention, "_attend_chunk", None)
+    windows = {"full": None, "sliding": WINDOW}
+    step = PagedAttentionStep(batch, cache, windows, CPU, torch.float32, fused=True)
+    query = torch.randn(9, HEADS, HEAD_DIM, generator=generator)
+    out = step.attend(layer, query, scaling=0.3)
+    group = batch.groups[group_name]
+    window = arch.window_of_group(group_name)
+    expected, masses = reference(
+        query, cache.keys[layer], cache.values[layer], batch, group, window, 0.3, None
+    )
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    if collect_attention and group_name == "full":
+        for got, want in zip(step.attention_mass(), masses, strict=True):
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_sliding_window_edge_is_exclusive():
     """Key at qpos - (window - 1) is visible, key at qpos - window is not (as transformers)."""
     arch = tiny_arch()

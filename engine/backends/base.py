@@ -32,9 +32,17 @@ class InferenceBackend(ABC):
     """A loaded model on `device` in `dtype` (`custom`: ours; `hf`: transformers')."""
 
     def __init__(
-        self, arch: GemmaArchitecture, device: torch.device, dtype: torch.dtype, max_model_len: int
+        self,
+        arch: GemmaArchitecture,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+        exact: bool = True,
     ) -> None:
         self.arch = arch
+        # Whether logits must follow transformers' order of operations (NUMERICS=exact): then
+        # attention stays explicit too; otherwise it may use fused kernels.
+        self.exact = exact
         self.device = device
         self.dtype = dtype
         self.vocab_size = int(arch.config.vocab_size)

@@ -21,7 +21,7 @@ class CustomBackend(InferenceBackend):
         kernel: str = "exact",
     ) -> None:
         self.model = GemmaForCausalLM.from_state_dict(config, state_dict, device, dtype, kernel)
-        super().__init__(self.model.arch, device, dtype, max_model_len)
+        super().__init__(self.model.arch, device, dtype, max_model_len, exact=kernel == "exact")
 
     def forward(
         self,

@@ -78,7 +78,7 @@ class HFBackend(InferenceBackend):
         kernel: str = "exact",
     ) -> None:
         arch = architecture_from_config(config)  # rejects what neither backend supports
-        super().__init__(arch, device, dtype, max_model_len)
+        super().__init__(arch, device, dtype, max_model_len, exact=kernel == "exact")
         model_class = (
             Gemma4ForCausalLM if isinstance(config, Gemma4TextConfig) else Gemma3ForCausalLM
         )

@@ -12,6 +12,12 @@ Sequences are attended in chunks:
   transformers' eager attention (keys repeated per query head), so a single-sequence prefill
   reproduces it bit for bit.
 
+With `fused` (every mode but NUMERICS=exact), a chunk whose attention mass nobody asked for
+and whose layer has no logit softcap runs PyTorch's fused scaled_dot_product_attention on the
+same gathered K/V and mask instead: no [heads, queries, keys] score matrix is materialized, and
+keys are shared across query heads without copies. It sums in another order, so its outputs
+differ from the explicit path's in the last bits (tests/test_paged_attention.py bounds it).
+
 Masks come from positions, never from slot order: key j is visible to query i when it is
 valid, kpos <= qpos, and, on sliding layers, qpos - kpos < window. The softmax is explicit,
 which also yields the attention mass each key receives (for H2O eviction).
@@ -33,6 +39,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine.model.batch import ForwardBatch, GroupAttention
 from engine.model.kv_cache import PagedKVCache
@@ -182,8 +189,10 @@ class PagedAttentionStep:
         device: torch.device,
         dtype: torch.dtype,
         mass_groups: Collection[str] | None = None,
+        fused: bool = False,
     ) -> None:
         self.cache = cache
+        self.fused = fused
         self.num_tokens = int(batch.input_ids.shape[0])
         self.plans = {
             name: _GroupPlan(group, batch, windows.get(name), device, dtype)
@@ -216,12 +225,14 @@ class PagedAttentionStep:
         plan = self.plans[group]
         keys, values = self.cache.keys[kv_layer], self.cache.values[kv_layer]
         mass = self.masses.get(group)
+        fused = self.fused and mass is None and softcap is None
+        attend = _attend_chunk_fused if fused else _attend_chunk
         chunks = plan.chunks
         if len(chunks) == 1 and chunks[0].num_seqs * chunks[0].q_len == self.num_tokens:
-            return _attend_chunk(chunks[0], query, keys, values, scaling, softcap, mass)
+            return attend(chunks[0], query, keys, values, scaling, softcap, mass)
         out = query.new_empty(query.shape[0], query.shape[1], values.shape[2])
         for chunk in chunks:
-            result = _attend_chunk(chunk, query[chunk.rows], keys, values, scaling, softcap, mass)
+            result = attend(chunk, query[chunk.rows], keys, values, scaling, softcap, mass)
             if isinstance(chunk.rows, slice):
                 out[chunk.rows] = result
             else:
@@ -267,6 +278,41 @@ class PagedAttentionStep:
 MAX_SCORES_PER_SLICE = 1 << 25
 
 
+def _gather_keys_values(
+    chunk: _Chunk, key_pool: torch.Tensor, value_pool: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk's keys and values from the pools, as [num_seqs, num_kv_heads, num_keys, D]."""
+    b, k_len, num_kv_heads = chunk.num_seqs, chunk.num_keys, key_pool.shape[1]
+    keys = key_pool.index_select(0, chunk.key_slots).view(b, k_len, num_kv_heads, -1)
+    values = value_pool.index_select(0, chunk.key_slots).view(b, k_len, num_kv_heads, -1)
+    return keys.transpose(1, 2), values.transpose(1, 2)
+
+
+def _attend_chunk_fused(
+    chunk: _Chunk,
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    scaling: float,
+    softcap: float | None,
+    mass: torch.Tensor | None,
+) -> torch.Tensor:
+    """_attend_chunk through scaled_dot_product_attention (no softcap, no mass)."""
+    num_heads, num_kv_heads = query.shape[1], key_pool.shape[1]
+    keys, values = _gather_keys_values(chunk, key_pool, value_pool)
+    b = chunk.num_seqs
+    if chunk.q_len == 1:
+        # Decode: the query heads sharing a KV head are that head's query rows.
+        q = query.reshape(b, num_kv_heads, num_heads // num_kv_heads, -1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=chunk.mask, scale=scaling)
+        return out.reshape(b, num_heads, -1)
+    q = query.transpose(0, 1).unsqueeze(0)
+    out = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=chunk.mask, scale=scaling, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
 def _attend_chunk(
     chunk: _Chunk,
     query: torch.Tensor,
@@ -281,14 +327,7 @@ def _attend_chunk(
     _, num_kv_heads, head_dim = key_pool.shape
     groups = num_heads // num_kv_heads
     b, q_len, k_len = chunk.num_seqs, chunk.q_len, chunk.num_keys
-    keys = (
-        key_pool.index_select(0, chunk.key_slots)
-        .view(b, k_len, num_kv_heads, head_dim)
-        .transpose(1, 2)
-    )
-    values = (
-        value_pool.index_select(0, chunk.key_slots).view(b, k_len, num_kv_heads, -1).transpose(1, 2)
-    )
+    keys, values = _gather_keys_values(chunk, key_pool, value_pool)
     if q_len == 1:
         # Decode: the query heads sharing a KV head become the rows of one matmul.
         q = query.reshape(b, num_kv_heads, groups, head_dim)
