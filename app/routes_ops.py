@@ -1,6 +1,9 @@
-"""Operational routes: health, Prometheus metrics, the dashboard's JSON snapshot.
+"""Operational routes: liveness, readiness, Prometheus metrics, the dashboard's JSON snapshot.
 
-/health is always open (load balancers probe it); the metrics need a key with OPS_AUTH=keys.
+/health answers 200 while the engine takes work and 503 from the start of a drain, so load
+balancers (and a readiness probe) stop sending; /live stays 200 while the server drains, so an
+orchestrator's liveness probe does not restart a process that is finishing its requests. Both
+are always open; the metrics need a key with OPS_AUTH=keys.
 """
 
 from __future__ import annotations
@@ -14,27 +17,60 @@ from app.auth import require_ops_key
 from app.openapi import json_object_operation, operation
 from app.server import ServerState
 
-_HEALTH = Schema(
-    type=OpenAPIType.OBJECT,
-    properties={"status": Schema(type=OpenAPIType.STRING, enum=["ok", "unavailable"])},
-    required=["status"],
-)
-_UNAVAILABLE = OpenAPIResponse(
-    description="The engine is not serving.",
-    content={"application/json": OpenAPIMediaType(schema=_HEALTH)},
-)
+
+def _status_schema(*statuses: str) -> Schema:
+    return Schema(
+        type=OpenAPIType.OBJECT,
+        properties={"status": Schema(type=OpenAPIType.STRING, enum=list(statuses))},
+        required=["status"],
+    )
+
+
+def _unavailable(description: str, schema: Schema) -> dict[str, OpenAPIResponse]:
+    return {
+        "503": OpenAPIResponse(
+            description=description, content={"application/json": OpenAPIMediaType(schema=schema)}
+        )
+    }
+
+
+_HEALTH = _status_schema("ok", "draining", "unavailable")
+_LIVE = _status_schema("ok", "unavailable")
 
 
 def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-@get("/health", operation_class=operation(_HEALTH, extra={"503": _UNAVAILABLE}))
+def _status(status: str, code: int) -> Response:
+    return Response(
+        msgspec.json.encode({"status": status}), status_code=code, media_type="application/json"
+    )
+
+
+@get(
+    "/health",
+    operation_class=operation(
+        _HEALTH, extra=_unavailable("Draining for shutdown, or the engine has stopped.", _HEALTH)
+    ),
+)
 async def health(request: Request) -> Response:
+    """Readiness: the engine takes work."""
     engine = _state(request).engine
-    if engine.is_healthy:
-        return Response(b'{"status":"ok"}', media_type="application/json")
-    return Response(b'{"status":"unavailable"}', status_code=503, media_type="application/json")
+    if engine.is_ready:
+        return _status("ok", 200)
+    return _status("draining" if engine.is_alive else "unavailable", 503)
+
+
+@get(
+    "/live",
+    operation_class=operation(_LIVE, extra=_unavailable("The engine loop has stopped.", _LIVE)),
+)
+async def live(request: Request) -> Response:
+    """Liveness: the engine loop runs, draining included."""
+    if _state(request).engine.is_alive:
+        return _status("ok", 200)
+    return _status("unavailable", 503)
 
 
 @get(
@@ -63,4 +99,4 @@ async def metrics_json(request: Request) -> Response:
     return Response(msgspec.json.encode(snapshot), media_type="application/json")
 
 
-ROUTES = [health, metrics, metrics_json]
+ROUTES = [health, live, metrics, metrics_json]

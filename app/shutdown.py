@@ -6,10 +6,11 @@ with no error event), and only then runs the lifespan's shutdown; once stopped i
 signal again, so the process dies of SIGTERM rather than exiting 0.
 
 So the first SIGTERM (or SIGINT) starts a drain instead: the engine admits nothing new (new
-generations get a 503 and /health turns 503, so load balancers stop sending), in-flight
-requests get SHUTDOWN_GRACE_S to finish, those still running then end with an error, and only
-then is uvicorn's server asked to exit, which it does with status 0. A second signal goes to
-uvicorn's own handler: stop without waiting for the drain.
+generations get a 503 and /health turns 503, so load balancers stop sending, while /live
+stays 200: the process is alive and finishing its work), in-flight requests get
+SHUTDOWN_GRACE_S to finish, those still running then end with an error, and only then is
+uvicorn's server asked to exit, which it does with status 0. A second signal goes to uvicorn's
+own handler: stop without waiting for the drain.
 """
 
 from __future__ import annotations

@@ -184,8 +184,14 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
 
     @property
-    def is_healthy(self) -> bool:
-        return self._accepting and self._thread is not None and self._thread.is_alive()
+    def is_alive(self) -> bool:
+        """The step loop runs, draining included (a liveness probe's question)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def is_ready(self) -> bool:
+        """Alive and admitting new requests; false from the start of a drain (readiness)."""
+        return self._accepting and self.is_alive
 
     # ------------------------------------------------------------------ requests
 

@@ -135,10 +135,12 @@ class Phase:
 
 
 async def drive(
-    base: str, tenants: tuple[Tenant, ...], seconds: float, seed: int, poll_s: float
-) -> Phase:
+    base: str, tenants: tuple[Tenant, ...], seconds: float, seed: int, poll_s: float,
+    metrics_urls: list[str] | None = None,
+) -> Phase:  # fmt: skip
     """Run every tenant's streams for `seconds` while sampling /api/metrics every `poll_s`;
-    requests still in flight at the end are cut off (the server aborts them)."""
+    requests still in flight at the end are cut off (the server aborts them). With
+    `metrics_urls` (each replica's /api/metrics), a sample sums the replicas' tenants."""
     rng = random.Random(seed)
     phase = Phase()
     records, samples = phase.records, phase.samples
@@ -165,14 +167,17 @@ async def drive(
                 record.ttft_s = record.ttft_s or record.e2e_s
 
     async def poll(client: httpx.AsyncClient) -> None:
+        urls = metrics_urls or [base + "/api/metrics"]
         while time.perf_counter() < deadline:
-            snap = (await client.get(base + "/api/metrics")).json()
+            snaps = [(await client.get(url)).json() for url in urls]
             sample = Sample(time.perf_counter() - start)
-            for name, t in snap["scheduler"]["tenants"].items():
-                sample.service[name] = t["service"]
-                sample.queued[name] = t["waiting"] + t["prefilling"]
+            for snap in snaps:
+                for name, t in snap["scheduler"]["tenants"].items():
+                    sample.service[name] = sample.service.get(name, 0.0) + t["service"]
+                    queued = t["waiting"] + t["prefilling"]
+                    sample.queued[name] = sample.queued.get(name, 0) + queued
             samples.append(sample)
-            phase.step_profile = snap["step_profile"]
+            phase.step_profile = snaps[0]["step_profile"]
             await asyncio.sleep(poll_s)
 
     clients = {

@@ -70,10 +70,11 @@ def free_port() -> int:
 
 @contextmanager
 def running_process(
-    command: list[str], log_path: Path, health_url: str, env: dict[str, str] | None = None
-) -> Iterator[subprocess.Popen]:
+    command: list[str], log_path: Path, health_url: str, env: dict[str, str] | None = None,
+    stop_signal: int = signal.SIGTERM,
+) -> Iterator[subprocess.Popen]:  # fmt: skip
     """Run a server `command` (logging to `log_path`) until `health_url` answers 200, yield its
-    process; stop it (its whole process group) on exit."""
+    process; stop it (`stop_signal` to its whole process group) on exit."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
         process = subprocess.Popen(
@@ -95,7 +96,7 @@ def running_process(
                 time.sleep(0.5)
             yield process
         finally:
-            os.killpg(process.pid, signal.SIGTERM)
+            os.killpg(process.pid, stop_signal)
             try:
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:

@@ -1,6 +1,7 @@
 """SIGTERM with 16 SSE streams and 2 WebSocket generations open: while the server drains,
-/health and new generations answer 503; the open streams finish within SHUTDOWN_GRACE_S or end
-with an error event then [DONE] (never cut without one); then the process exits 0."""
+/health and new generations answer 503 (/live stays 200: tests/test_readiness.py); the open
+streams finish within SHUTDOWN_GRACE_S or end with an error event then [DONE] (never cut
+without one); then the process exits 0."""
 
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def assert_refusing_while_draining(server: RunningServer) -> None:
     while (health := httpx.get(server.base_url + "/health", timeout=5)).status_code == 200:
         assert time.monotonic() < deadline, "/health still 200 while draining"
         time.sleep(0.02)
-    assert health.status_code == 503
+    assert (health.status_code, health.json()) == (503, {"status": "draining"})
     body = completion_body("Hello", max_tokens=4)
     refused = httpx.post(server.v1 + "/completions", json=body, timeout=TIMEOUT)
     assert refused.status_code == 503, refused.text

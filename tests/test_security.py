@@ -191,9 +191,9 @@ def test_ops_routes_need_the_key(
         assert stopped.status_code == 200
 
 
-@pytest.mark.parametrize("path", ["/health", "/", "/static/app.js"])
+@pytest.mark.parametrize("path", ["/health", "/live", "/", "/static/app.js"])
 def test_health_and_the_page_stay_open(keyed: RunningServer, path: str) -> None:
-    """Load balancers probe /health; the page holds no data and asks for the key itself."""
+    """Probes carry no key (/health, /live); the page holds no data and asks for the key."""
     assert httpx.get(keyed.base_url + path, timeout=TIMEOUT).status_code == 200
 
 

@@ -242,6 +242,17 @@ class Scheduler:
         piece, so these still queue for the step's budget)."""
         return self.waiting + [s for s in self.running if _prefilling(s)]
 
+    def charge_remote(self, usage: Mapping[str, tuple[int, int]]) -> None:
+        """Service other replicas gave tenants (tenant -> prompt, output tokens), charged to
+        the policy's counters so that fairness spans replicas (deploy/fairness.py); the service
+        ledger keeps this scheduler's own. Only tenants the policy knows are charged: a tenant
+        new here is lifted on arrival anyway, and unknown names must not grow its state."""
+        with self._lock:
+            known = self.policy.counters()
+            for tenant, (prompt, output) in usage.items():
+                if tenant in known:
+                    self.policy.charge(tenant, prompt, output)
+
     def end_session(self, tenant: str, session: str) -> bool:
         """A conversation ended: release its pinned KV to the prefix cache (reclaimable)."""
         with self._lock:

@@ -1,0 +1,1 @@
+"""Deployment: the container image, Kubernetes manifests, scale-out on Ray Serve."""
