@@ -46,6 +46,7 @@ from evals.harness import (
     closed_loop,
     free_port,
     llama_binary,
+    llama_cpu_args,
     running_process,
     running_server,
     summarize,
@@ -82,6 +83,7 @@ def llama_server(gguf: Path, max_users: int, log: Path) -> Iterator[str]:
         str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
         "--parallel", str(max_users), "-c", str(max_users * 512), "--no-webui",
     ]  # fmt: skip
+    command += llama_cpu_args()
     with running_process(command, log, base + "/health"):
         yield base
 

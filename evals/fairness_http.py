@@ -437,12 +437,7 @@ def run(args: argparse.Namespace) -> dict:
         "summary": summary,
         "series": series,
     }
-    if args.out.parent == RESULTS:
-        path = write_results(args.out.stem, payload)
-    else:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(payload, indent=2) + "\n")
-        path = args.out
+    path = write_results(args.out.stem, payload, args.out)
     plot(path.with_suffix(".png"), args, summary, series)
     return summary
 

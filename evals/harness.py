@@ -14,13 +14,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from importlib.resources import files
 from pathlib import Path
 
 import httpx
 import torch
+
+from engine.model.linear_kernels import has_amx
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "evals" / "results"
@@ -96,7 +98,8 @@ def running_process(
                 time.sleep(0.5)
             yield process
         finally:
-            os.killpg(process.pid, stop_signal)
+            with suppress(ProcessLookupError):  # the group is gone when the server died alone
+                os.killpg(process.pid, stop_signal)
             try:
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -140,6 +143,14 @@ def llama_binary(name: str) -> Path | None:
     except ModuleNotFoundError:
         return None
     return path if path.exists() else None
+
+
+def llama_cpu_args() -> list[str]:
+    """Flags every llama.cpp program gets on this CPU. On one with AMX, ggml repacks weights for
+    its AMX kernels, whose first tile instruction dies with SIGILL here: it never asks Linux for
+    AMX state (arch_prctl ARCH_REQ_XCOMP_PERM), as PyTorch does. Unpacked, it runs its AVX-512
+    kernels."""
+    return ["--no-repack"] if has_amx() else []
 
 
 def make_prompt(rng: random.Random, num_words: int, prefix: str = "") -> str:

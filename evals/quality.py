@@ -34,7 +34,7 @@ from engine.model.linear_kernels import kernel_for, quantize_model
 from engine.model.loader import EMBEDDED_MODEL, LoadedModel, embedded_gguf_path, load_model
 from engine.offline import LLM
 from engine.sampling import SamplingParams
-from evals.harness import hf_reference_model, llama_binary, write_results
+from evals.harness import hf_reference_model, llama_binary, llama_cpu_args, write_results
 from evals.plots import bar_chart
 
 TEXT_PATH = Path("/usr/share/common-licenses/GPL-3")
@@ -91,7 +91,8 @@ def llama_cpp_perplexity(text_path: Path, context: int) -> float | None:
         return None
     gguf = embedded_gguf_path()
     run = subprocess.run(
-        [str(binary), "-m", str(gguf), "-f", str(text_path), "-c", str(context), "-t", "2"],
+        [str(binary), "-m", str(gguf), "-f", str(text_path), "-c", str(context), "-t", "2",
+         *llama_cpu_args()],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     found = re.search(r"Final estimate: PPL = ([0-9.]+)", run.stdout + run.stderr)

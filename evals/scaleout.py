@@ -251,12 +251,7 @@ def run(args: argparse.Namespace) -> dict:
         "tenants": [asdict(t) for t in fairness_http.TENANTS],
         "summary": summary,
     }
-    if args.out.parent == RESULTS:
-        path = write_results(args.out.stem, payload)
-    else:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(payload, indent=2) + "\n")
-        path = args.out
+    path = write_results(args.out.stem, payload, args.out)
     plot(path.with_suffix(".png"), args, summary)
     return summary
 
