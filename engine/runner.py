@@ -43,6 +43,8 @@ class ModelRunner:
         self.cache_groups = cache_group_specs(backend.arch, backend.dtype)
         self.windows = {group.name: group.sliding_window for group in self.cache_groups}
         self.kv_cache = PagedKVCache(backend.arch, num_blocks, block_size, self.device, self.dtype)
+        # Fused attention kernels wherever the numerics need not be transformers' own.
+        self.fused_attention = not backend.exact
 
     def prepare(self, scheduled: list[ScheduledSeq], kv: KVCacheManager) -> ForwardBatch:
         """Apply the KV manager's pending block copies (before any K/V of this step is written),
@@ -64,7 +66,7 @@ class ModelRunner:
             self.windows,
             self.device,
             self.dtype,
-            fused=not self.backend.exact,
+            fused=self.fused_attention,
         )
         logits = self.backend.forward(
             batch.input_ids.to(self.device),

@@ -25,7 +25,8 @@ batched step of 13 sequences took 0.057 s with it and 1.65 s with `exact`, which
 The only departure from ModelRunner.forward is for the `h2o+sliding` line: it also reads the
 attention mass of the sliding layers (PagedAttentionStep's mass_groups), to measure whether
 they would help H2O; the engine's h2o uses H2O_MASS_GROUPS. Without that line (or in a step
-where it does not record mass) the step is ModelRunner.forward itself.
+where it does not record mass) the step is ModelRunner.forward itself, with attention explicit
+in every step (no fused kernel), so that variants differ only in what they evict.
 
 Speed and memory: the last `--timed-steps` positions of every sequence run one sequence per
 step (round robin, so noise spreads evenly), giving the decode step time at the end of the text
@@ -99,6 +100,9 @@ class TeacherForcedDriver:
     ) -> None:
         backend = create_backend("custom", loaded, CPU, torch.float32, kernel)
         self.runner = ModelRunner(backend, num_blocks, block_size)
+        # Variants must differ only in what they evict: every step attends explicitly, as the
+        # steps that record h2o's mass must (fused kernels sum in another order).
+        self.runner.fused_attention = False
         self.kv = KVCacheManager(
             self.runner.cache_groups,
             num_blocks,

@@ -75,6 +75,16 @@ def mixed_batch(collect_attention=False):
     )
 
 
+def random_cache(layer, seed):
+    """The tiny model's cache with `layer`'s pools random; the generator continues the draws."""
+    arch = tiny_arch()
+    cache = PagedKVCache(arch, num_blocks=50, block_size=4, device=CPU, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    for pool in (cache.keys[layer], cache.values[layer]):
+        pool.copy_(torch.randn(pool.shape, generator=generator))
+    return arch, cache, generator
+
+
 def reference(query, key_pool, value_pool, batch, group, window, scaling, softcap):
     """Per sequence and query: softmax over the visible keys, in float64."""
     out = torch.zeros(query.shape, dtype=torch.float64)
@@ -107,11 +117,7 @@ def reference(query, key_pool, value_pool, batch, group, window, scaling, softca
 def test_mixed_batch_matches_reference(group_name, layer, softcap, query_slices, monkeypatch):
     if query_slices == "one row each":
         monkeypatch.setattr(paged_attention, "MAX_SCORES_PER_SLICE", 1)
-    arch = tiny_arch()
-    cache = PagedKVCache(arch, num_blocks=50, block_size=4, device=CPU, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    for pool in (cache.keys[layer], cache.values[layer]):
-        pool.copy_(torch.randn(pool.shape, generator=generator))
+    arch, cache, generator = random_cache(layer, seed=0)
     batch = mixed_batch(collect_attention=True)
     window = arch.window_of_group(group_name)
     step = PagedAttentionStep(batch, cache, {"full": None, "sliding": WINDOW}, CPU, torch.float32)
@@ -143,11 +149,7 @@ def test_fused_attention_matches_reference(group_name, layer, collect_attention,
     """fused=True (every mode but NUMERICS=exact): scaled_dot_product_attention over the same
     mixed batch, to float32 rounding of the float64 reference. A step that collects attention
     mass (h2o) keeps the explicit softmax, and its mass is still right."""
-    arch = tiny_arch()
-    cache = PagedKVCache(arch, num_blocks=50, block_size=4, device=CPU, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(1)
-    for pool in (cache.keys[layer], cache.values[layer]):
-        pool.copy_(torch.randn(pool.shape, generator=generator))
+    arch, cache, generator = random_cache(layer, seed=1)
     batch = mixed_batch(collect_attention=collect_attention)
     if not collect_attention:  # the explicit path must not run at all
         monkeypatch.setattr(paged_attention, "_attend_chunk", None)
