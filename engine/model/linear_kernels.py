@@ -32,10 +32,11 @@ NUMERICS_MODES = ("exact", "fast")
 def kernel_for(weights: str, numerics: str, device: torch.device) -> str:
     """`exact`, `packed`, `bf16` or `int8` for the WEIGHTS / NUMERICS settings on `device`.
 
-    WEIGHTS=auto on CPU is bf16 where the CPU has AMX tiles (there it served 10-30% more tokens
-    per second than int8 at 16-32 users, and prefilled 3x faster, for less quality loss), else
-    int8, which decoded 3.9x faster than float32 for a 2.7% higher perplexity
-    (evals/bench_forward.py, evals/quality.py); the DTYPE weights elsewhere.
+    WEIGHTS=auto on CPU is bf16 where the CPU has AMX tiles (there it served 1.18x int8's tokens
+    per second at 16 users and 1.46x at 32 in evals/bench_peers.py, prefilled 1.48x faster, and
+    cost no perplexity against int8's 4%), else int8, which decoded 3.9x faster than float32 on
+    a CPU without AMX for a 2.7% higher perplexity (evals/bench_forward.py, evals/quality.py);
+    the DTYPE weights elsewhere.
     """
     if weights not in WEIGHT_MODES:
         raise ValueError(f"unknown WEIGHTS {weights!r}: expected one of {', '.join(WEIGHT_MODES)}")
@@ -78,10 +79,10 @@ class BFloat16Linear(nn.Module):
     """oneDNN bfloat16 `x @ W.T`: the weight rounded to bfloat16 and reordered once, at load;
     each call rounds the activations to bfloat16 and the output back to the model's dtype.
 
-    oneDNN accumulates in float32 and runs on AMX tiles where the CPU has them, where it measured
-    3x faster than fbgemm int8 on prefill-sized inputs (512 rows) and 1.3-2x on decode batches
-    of 16-32 rows. Unlike DynamicInt8Linear it is not batch-invariant: oneDNN picks its blocking
-    by row count, so a row's last bits can change with the batch it is in, as in float32.
+    oneDNN accumulates in float32 and runs on AMX tiles where the CPU has them (README,
+    "Measured performance", has its speed and quality against the other modes). Unlike
+    DynamicInt8Linear it is not batch-invariant: oneDNN picks its blocking by row count, so a
+    row's last bits can change with the batch it is in, as in float32.
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
