@@ -28,7 +28,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     # Linear-layer kernels (engine.model.linear_kernels): bf16 or int8 weights (CPU), or DTYPE
     # weights computed bit-exact to transformers (exact) or through pre-packed oneDNN kernels on
     # CPU (fast). auto: bf16 on a CPU with AMX, int8 on other CPUs, DTYPE weights on a GPU.
-    WEIGHTS: Literal["auto", "fp32", "bf16", "int8"] = "auto"
+    WEIGHTS: Literal["auto", "fp32", "bf16", "bf16-int8head", "int8"] = "auto"
     NUMERICS: Literal["exact", "fast"] = "exact"
     MAX_BATCH_SIZE: int = 32
     MAX_ACTIVE_KV_TOKENS: int | None = None  # None: sized from memory

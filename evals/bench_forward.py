@@ -1,6 +1,6 @@
 """Single-stream speed of the forward pass: our `custom` backend in each linear-kernel mode
-(float32 exact, float32 packed, int8) vs the `hf` backend (both inside our engine) vs
-transformers' own `generate`, on the embedded model, same prompts, one run.
+(float32 exact, float32 packed, bf16, bf16-int8head, int8) vs the `hf` backend (both inside
+our engine) vs transformers' own `generate`, on the embedded model, same prompts, one run.
 
 Prefill tokens/s: prompt tokens / time of the step that computes the whole prompt.
 Decode tokens/s: tokens / time of the following one-token steps.
@@ -101,6 +101,7 @@ def main() -> None:
         "custom fp32 exact": engine_speed("custom", loaded, prompts, decode),
         "custom fp32 fast (packed)": engine_speed("custom", loaded, prompts, decode, "packed"),
         "custom bf16": engine_speed("custom", loaded, prompts, decode, "bf16"),
+        "custom bf16-int8head": engine_speed("custom", loaded, prompts, decode, "bf16-int8head"),
         "custom int8": engine_speed("custom", loaded, prompts, decode, "int8"),
         "hf (transformers model, engine)": engine_speed("hf", loaded, prompts, decode),
         "transformers generate": generate_speed(loaded, prompts, args.decode_tokens),

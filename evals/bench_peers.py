@@ -118,6 +118,7 @@ def engines(max_users: int) -> dict[str, Launcher | None]:
     """Every engine by name: a launcher yielding its base URL, or None when not installed."""
     ours = {
         "gemma-serve bf16": {"WEIGHTS": "bf16"},
+        "gemma-serve bf16-int8head": {"WEIGHTS": "bf16-int8head"},
         "gemma-serve int8": {"WEIGHTS": "int8"},
         "gemma-serve fp32 fast": {"WEIGHTS": "fp32", "NUMERICS": "fast"},
         "gemma-serve fp32 exact": {"WEIGHTS": "fp32", "NUMERICS": "exact"},

@@ -3,8 +3,8 @@
     python -m evals.quality [--context 512] [--prompts 100] [--new-tokens 32]
 
 Modes: float32 exact (bit-equal to transformers), float32 fast (pre-packed oneDNN), bf16
-(oneDNN bfloat16 weights and activations) and int8 (fbgemm, per-row activation scales); see
-engine/model/linear_kernels.py.
+(oneDNN bfloat16 weights and activations), bf16-int8head (bf16 layers, int8 LM head) and int8
+(per-channel weights, per-row activation scales); see engine/model/linear_kernels.py.
 
 - Perplexity, computed as llama.cpp's `llama-perplexity` does: the text is tokenized once (BOS
   first) and cut into chunks of `--context` tokens, each chunk's first token is made BOS, and only
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine.model.linear_kernels import kernel_for, quantize_model
+from engine.model.linear_kernels import body_and_head, kernel_for, make_linear, quantize_model
 from engine.model.loader import EMBEDDED_MODEL, LoadedModel, embedded_gguf_path, load_model
 from engine.offline import LLM
 from engine.sampling import SamplingParams
@@ -42,6 +42,7 @@ MODES = {
     "fp32 exact": ("fp32", "exact"),
     "fp32 fast": ("fp32", "fast"),
     "bf16": ("bf16", "fast"),
+    "bf16-int8head": ("bf16-int8head", "fast"),
     "int8": ("int8", "fast"),
 }
 CPU = torch.device("cpu")
@@ -51,7 +52,10 @@ CPU = torch.device("cpu")
 def perplexity(loaded: LoadedModel, kernel: str, tokens: list[int], context: int) -> float:
     """llama-perplexity's estimate: chunks of `context` tokens, BOS first, second half scored."""
     model = hf_reference_model(loaded)
-    quantize_model(model, kernel)
+    body, head = body_and_head(kernel)
+    quantize_model(model.model, body)
+    if head != "exact":
+        model.lm_head = make_linear(head, model.lm_head.weight)
     bos = loaded.tokenizer.bos_token_id
     total_nll, scored = 0.0, 0
     for start in tqdm(range(0, len(tokens) - context + 1, context), desc=kernel, unit="chunk"):

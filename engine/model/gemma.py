@@ -27,7 +27,7 @@ from engine.model.architecture import (
     LayerSpec,
     architecture_from_config,
 )
-from engine.model.linear_kernels import make_linear, quantize_model
+from engine.model.linear_kernels import body_and_head, make_linear, quantize_model
 from engine.model.paged_attention import PagedAttentionStep
 
 
@@ -355,12 +355,13 @@ class GemmaForCausalLM(nn.Module):
             )
         model.model.init_buffers()
         if kernel != "exact":
+            body, head = body_and_head(kernel)
             for module in list(model.model.modules()):
                 if isinstance(module, Attention | MLP):
-                    module.fuse_projections(kernel)
-            quantize_model(model.model, kernel)
+                    module.fuse_projections(body)
+            quantize_model(model.model, body)
             # A tied head keeps its float embedding table for lookups and gets its own copy.
-            model.fast_head = make_linear(kernel, model.lm_head_weight)
+            model.fast_head = make_linear(head, model.lm_head_weight)
         return model.requires_grad_(False)
 
     def forward(

@@ -1,6 +1,6 @@
 """Which kernel runs the model's linear layers, by weight mode, numerics and device.
 
-Four ways to run `x @ W.T`, chosen by timing the kernels PyTorch offers on the CPU at hand
+Ways to run `x @ W.T`, chosen by timing the kernels PyTorch offers on the CPU at hand
 (`python -m evals.bench_forward` compares them inside the engine):
 - `exact`: `F.linear` on the model's dtype, bit for bit what transformers computes.
 - `packed`: the same float32 weights, reordered once into oneDNN's blocked layout so each call
@@ -9,12 +9,14 @@ Four ways to run `x @ W.T`, chosen by timing the kernels PyTorch offers on the C
 - `bf16`: the weights rounded to bfloat16 once, through oneDNN (CPU only): AMX tiles where the
   CPU has them. Activations are rounded to bfloat16 per call; everything between the linear
   layers stays float32. Approximate: `evals/quality.py` measures what it costs.
-- `int8`: fbgemm's dynamic quantization (CPU only). Weights are int8 with one scale per output
-  channel; each call quantizes the activations to int8 with one scale per row, multiplies in
-  integers, and rescales to float32. Approximate: `evals/quality.py` measures what it costs.
+- `int8`: dynamic quantization (CPU only). Weights are int8 with one scale per output channel;
+  each call quantizes the activations to int8 with one scale per row, multiplies in integers,
+  and rescales to float32. oneDNN runs it on CPUs with AMX tiles, fbgemm elsewhere (each
+  measured the faster there). Approximate: `evals/quality.py` measures what it costs.
+- `bf16-int8head`: `bf16` for the decoder layers, `int8` for the LM head (`body_and_head`).
 
-`quantize_model` swaps a model's `nn.Linear` modules (and the LM head) for the chosen kernel in
-place. On CUDA and MPS only `exact` exists: the other kernels are CPU libraries.
+`quantize_model` swaps a model's `nn.Linear` modules for the chosen kernel in place. On CUDA and
+MPS only `exact` exists: the other kernels are CPU libraries.
 """
 
 from __future__ import annotations
@@ -24,19 +26,21 @@ import warnings
 import torch
 from torch import nn
 
-WEIGHT_MODES = ("auto", "fp32", "bf16", "int8")
-_CPU_ONLY = {"bf16": "oneDNN", "int8": "fbgemm"}
+WEIGHT_MODES = ("auto", "fp32", "bf16", "bf16-int8head", "int8")
+_CPU_ONLY = {"bf16": "oneDNN", "bf16-int8head": "oneDNN", "int8": "oneDNN or fbgemm"}
+# Modes whose LM head runs another kernel than the body: (body, head).
+_SPLIT_KERNELS = {"bf16-int8head": ("bf16", "int8")}
 NUMERICS_MODES = ("exact", "fast")
 
 
 def kernel_for(weights: str, numerics: str, device: torch.device) -> str:
     """`exact`, `packed`, `bf16` or `int8` for the WEIGHTS / NUMERICS settings on `device`.
 
-    WEIGHTS=auto on CPU is bf16 where the CPU has AMX tiles (there it served 1.18x int8's tokens
-    per second at 16 users and 1.46x at 32 in evals/bench_peers.py, prefilled 1.48x faster, and
-    cost no perplexity against int8's 4%), else int8, which decoded 3.9x faster than float32 on
-    a CPU without AMX for a 2.7% higher perplexity (evals/bench_forward.py, evals/quality.py);
-    the DTYPE weights elsewhere.
+    WEIGHTS=auto on CPU is bf16-int8head where the CPU has AMX tiles: bfloat16 layers (no
+    perplexity cost) with the LM head, the largest matrix, in int8 (+0.4% perplexity), which
+    served more than bf16 at every load in evals/bench_peers.py. Without AMX it is int8, which
+    decoded 3.9x faster than float32 on such a CPU for a 2.7% higher perplexity
+    (evals/bench_forward.py, evals/quality.py). The DTYPE weights elsewhere.
     """
     if weights not in WEIGHT_MODES:
         raise ValueError(f"unknown WEIGHTS {weights!r}: expected one of {', '.join(WEIGHT_MODES)}")
@@ -45,7 +49,7 @@ def kernel_for(weights: str, numerics: str, device: torch.device) -> str:
             f"unknown NUMERICS {numerics!r}: expected one of {', '.join(NUMERICS_MODES)}"
         )
     if weights == "auto":
-        weights = ("bf16" if has_amx() else "int8") if device.type == "cpu" else "fp32"
+        weights = ("bf16-int8head" if has_amx() else "int8") if device.type == "cpu" else "fp32"
     if weights in _CPU_ONLY:  # approximate whatever NUMERICS says
         if device.type != "cpu":
             raise ValueError(
@@ -56,6 +60,16 @@ def kernel_for(weights: str, numerics: str, device: torch.device) -> str:
     if numerics == "fast" and device.type == "cpu" and torch.backends.mkldnn.is_available():
         return "packed"
     return "exact"
+
+
+def body_and_head(kernel: str) -> tuple[str, str]:
+    """The kernels of the decoder layers and of the LM head for `kernel`.
+
+    `bf16-int8head` runs the layers in bfloat16 and the LM head, 62% of Gemma 3 270M's weights,
+    in int8: the head is the largest matrix and decode reads all of it every step, so halving
+    its bytes halves its time, for a perplexity between bf16's and int8's (evals/quality.py).
+    """
+    return _SPLIT_KERNELS.get(kernel, (kernel, kernel))
 
 
 def has_amx() -> bool:
@@ -140,15 +154,53 @@ class DynamicInt8Linear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features).to(dtype)
 
 
+class OneDNNInt8Linear(nn.Module):
+    """oneDNN int8 `x @ W.T`, the same quantization as DynamicInt8Linear by another library:
+    per-channel symmetric int8 weights, and each activation row divided by its largest
+    magnitude and rounded to int8 in [-127, 127], so every row has its own scale and is
+    quantized the same alone or in any batch. The products are summed exactly in int32 (AMX
+    tiles where the CPU has them) and rescaled to float32, then multiplied by the row's
+    magnitude; oneDNN picks its kernel by row count, so that rescale can round differently in
+    the last bit with the batch size. On an AMX CPU it decoded faster than fbgemm's int8 and
+    bfloat16 (evals/bench_forward.py, README "Measured performance").
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        weight = weight.float().contiguous()
+        self.weight_scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-8)
+        quantized = (weight / self.weight_scales[:, None]).round_().clamp_(-127, 127)
+        self.packed = torch.ops.onednn.qlinear_prepack(quantized.to(torch.int8), None)
+        self.zero_points = torch.zeros(self.out_features, dtype=torch.long)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype, rows = x.dtype, x.reshape(-1, self.in_features).float()
+        row_max = rows.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
+        quantized = (rows * (127 / row_max)).round_().to(torch.int8)
+        out = torch.ops.onednn.qlinear_pointwise(
+            quantized, 1 / 127, 0, self.packed, self.weight_scales, self.zero_points,
+            None, 1.0, 0, torch.float32, "none", [], "",
+        )  # fmt: skip
+        return out.mul_(row_max).view(*x.shape[:-1], self.out_features).to(dtype)
+
+
+def int8_linear_class() -> type[nn.Module]:
+    """The int8 kernel for this CPU: oneDNN where it has AMX tiles (measured there, see
+    OneDNNInt8Linear), fbgemm elsewhere (measured faster than float32 on an AVX2 CPU)."""
+    return OneDNNInt8Linear if has_amx() else DynamicInt8Linear
+
+
 _KERNELS: dict[str, type[nn.Module]] = {
     "packed": PackedLinear,
     "bf16": BFloat16Linear,
-    "int8": DynamicInt8Linear,
 }
 
 
 def make_linear(kernel: str, weight: torch.Tensor) -> nn.Module:
     """A module computing `x @ weight.T` with `kernel` (not `exact`: that is plain nn.Linear)."""
+    if kernel == "int8":
+        return int8_linear_class()(weight)
     return _KERNELS[kernel](weight)
 
 
