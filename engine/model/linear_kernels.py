@@ -36,11 +36,12 @@ NUMERICS_MODES = ("exact", "fast")
 def kernel_for(weights: str, numerics: str, device: torch.device) -> str:
     """`exact`, `packed`, `bf16` or `int8` for the WEIGHTS / NUMERICS settings on `device`.
 
-    WEIGHTS=auto on CPU is bf16-int8head where the CPU has AMX tiles: bfloat16 layers (no
-    perplexity cost) with the LM head, the largest matrix, in int8 (+0.4% perplexity), which
-    served more than bf16 at every load in evals/bench_peers.py. Without AMX it is int8, which
-    decoded 3.9x faster than float32 on such a CPU for a 2.7% higher perplexity
-    (evals/bench_forward.py, evals/quality.py). The DTYPE weights elsewhere.
+    WEIGHTS=auto on CPU is bf16-int8head where the CPU has AMX tiles: there bfloat16 was the
+    fastest kernel for the decoder layers' linears and int8 for the LM head, the largest matrix
+    (evals/bench_kernels.py), for 0.5% more perplexity than float32 where int8 everywhere costs
+    3.6% (evals/quality.py). Without AMX it is int8, which decoded 3.9x faster than float32 on
+    such a CPU for a 2.7% higher perplexity (evals/bench_forward.py). The DTYPE weights
+    elsewhere.
     """
     if weights not in WEIGHT_MODES:
         raise ValueError(f"unknown WEIGHTS {weights!r}: expected one of {', '.join(WEIGHT_MODES)}")
