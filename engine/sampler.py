@@ -277,8 +277,8 @@ def _draw_from_candidates(
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row, the first column where the running sum of `weights` exceeds u * total.
 
-    In two levels, as a full-width running sum over 262,144 columns costs several times a
-    softmax: the sums of blocks of _CDF_BLOCK columns pick the block, then the running sum
+    In two levels, as a full-width running sum over 262,144 columns costs more than the softmax
+    before it: the sums of blocks of _CDF_BLOCK columns pick the block, then the running sum
     inside that block picks the column. That column always has weight > 0: the target is kept
     strictly below the chosen block's running total, and zero-weight columns never raise it.
     """

@@ -34,7 +34,8 @@ NUMERICS_MODES = ("exact", "fast")
 
 
 def kernel_for(weights: str, numerics: str, device: torch.device) -> str:
-    """`exact`, `packed`, `bf16` or `int8` for the WEIGHTS / NUMERICS settings on `device`.
+    """`exact`, `packed`, `bf16`, `bf16-int8head` or `int8` for the WEIGHTS / NUMERICS settings
+    on `device`.
 
     WEIGHTS=auto on CPU is bf16-int8head where the CPU has AMX tiles: there bfloat16 was the
     fastest kernel for the decoder layers' linears and int8 for the LM head, the largest matrix
@@ -67,8 +68,8 @@ def body_and_head(kernel: str) -> tuple[str, str]:
     """The kernels of the decoder layers and of the LM head for `kernel`.
 
     `bf16-int8head` runs the layers in bfloat16 and the LM head, 62% of Gemma 3 270M's weights,
-    in int8: the head is the largest matrix and decode reads all of it every step, so halving
-    its bytes halves its time, for a perplexity between bf16's and int8's (evals/quality.py).
+    in int8: the head is the largest matrix and decode reads all of it every step, so its bytes
+    are what a step waits on; its perplexity lies between bf16's and int8's (evals/quality.py).
     """
     return _SPLIT_KERNELS.get(kernel, (kernel, kernel))
 
@@ -162,8 +163,8 @@ class OneDNNInt8Linear(nn.Module):
     quantized the same alone or in any batch. The products are summed exactly in int32 (AMX
     tiles where the CPU has them) and rescaled to float32, then multiplied by the row's
     magnitude; oneDNN picks its kernel by row count, so that rescale can round differently in
-    the last bit with the batch size. On an AMX CPU it decoded faster than fbgemm's int8 and
-    bfloat16 (evals/bench_forward.py, README "Measured performance").
+    the last bit with the batch size. On an AMX CPU it ran the LM head at 16 and 32 rows in
+    about half fbgemm's time (evals/bench_kernels.py, README "Measured performance").
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
