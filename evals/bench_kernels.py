@@ -3,14 +3,21 @@
 For every kernel module the server can run (engine/model/linear_kernels.py) and every row
 count, the time of one call on a weight of the LM head's shape (262,144 x 640, tied to the
 embedding) and of one decoder layer's linears (the fused q/k/v, o, fused gate/up and down
-projections of Gemma 3 270M), with random weights and inputs of the model's scale.
+projections of Gemma 3 270M), with random weights and inputs of the model's scale. Each layer
+shape is timed through the model's 18 layers, each with its own weights, and divided by 18: one
+layer's weights alone would stay in the CPU's cache from call to call, which decode never sees.
 
 On a shared machine the speed drifts by tens of percent within minutes, so the kernels are
 timed in turns: each round calls every kernel once per shape and row count, in a shuffled
 order, and the figure is each one's median over the rounds. Ratios within a row of the table
 are what to read.
 
-    python -m evals.bench_kernels [--rows 1 16 32] [--rounds 20]
+Then prefill-sized batches of changing size: one layer's four bf16 linears called at
+`--prefill-calls` random row counts of 65-600, with the rows padded to linear_kernels'
+row_bucket (what the server does) and at their exact count. oneDNN builds a primitive per
+input shape, so the second pays that build on nearly every call.
+
+    python -m evals.bench_kernels [--rows 1 16 32] [--rounds 20] [--prefill-calls 300]
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from engine.model.linear_kernels import (
 from evals.harness import write_results
 
 HIDDEN, INTERMEDIATE, HEAD_DIM, HEADS, KV_HEADS, VOCAB = 640, 2048, 256, 4, 1, 262_144
+LAYERS = 18
 SHAPES = {  # (out_features, in_features)
     "lm_head": (VOCAB, HIDDEN),
     "qkv_proj": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
@@ -53,15 +61,36 @@ KERNELS: dict[str, Callable[[torch.Tensor], Call]] = {
 }
 
 
+def prefill_rows_seconds(calls: int, bucketed: bool) -> float:
+    """Seconds for `calls` random row counts of 65-600 through one layer's bf16 linears. oneDNN
+    caches primitives by shape for the whole process: run the padded case first, so that the
+    exact case can reuse only those of its row counts that are multiples of 32."""
+    layers = [BFloat16Linear(torch.randn(n, k) * 0.02) for n, k in list(SHAPES.values())[1:]]
+    rng = random.Random(1)
+    start = time.perf_counter()
+    for _ in range(calls):
+        rows = rng.randint(65, 600)
+        for layer in layers:
+            x = torch.randn(rows, layer.in_features)
+            if bucketed:
+                layer(x)
+            else:  # the same packed weight at the exact row count
+                torch.ops.mkldnn._linear_pointwise(x.bfloat16(), layer.packed, None, "none", [], "")
+    return time.perf_counter() - start
+
+
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32])
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--prefill-calls", type=int, default=300)
     args = parser.parse_args()
     torch.manual_seed(0)
     calls = {
-        (shape, kernel): build(torch.randn(n, k) * 0.02)
+        (shape, kernel): [
+            build(torch.randn(n, k) * 0.02) for _ in range(1 if shape == "lm_head" else LAYERS)
+        ]
         for shape, (n, k) in SHAPES.items()
         for kernel, build in KERNELS.items()
     }
@@ -76,10 +105,11 @@ def main() -> None:
     for round_index in range(args.rounds + 2):  # the first two rounds warm up
         rng.shuffle(order)
         for shape, kernel, rows in order:
-            x = inputs[shape, rows]
+            x, copies = inputs[shape, rows], calls[shape, kernel]
             start = time.perf_counter()
-            calls[shape, kernel](x)
-            elapsed = time.perf_counter() - start
+            for call in copies:
+                call(x)
+            elapsed = (time.perf_counter() - start) / len(copies)
             if round_index >= 2:
                 times.setdefault((shape, kernel, rows), []).append(elapsed)
     median_ms = {key: 1000 * statistics.median(values) for key, values in times.items()}
@@ -105,12 +135,21 @@ def main() -> None:
     int8_library = int8_linear_class().__name__
     print(f"AMX: {has_amx()}; int8 runs {int8_library}; {torch.get_num_threads()} threads")
     print(markdown)
+    prefill_s = {
+        "row_bucket": prefill_rows_seconds(args.prefill_calls, bucketed=True),
+        "exact rows": prefill_rows_seconds(args.prefill_calls, bucketed=False),
+    }
+    print(
+        f"{args.prefill_calls} prefill batches of 65-600 rows through one layer's bf16 linears: "
+        f"{prefill_s['row_bucket']:.2f} s padded to row_bucket, "
+        f"{prefill_s['exact rows']:.2f} s at the exact row count"
+    )
     path = write_results(
         "bench_kernels",
         {"rows": args.rows, "rounds": args.rounds, "amx": has_amx(), "int8": int8_library,
          "ms": {k: {part: {str(r): v for r, v in rows.items()} for part, rows in parts.items()}
                 for k, parts in table.items()},
-         "markdown": markdown},
+         "prefill_rows_s": prefill_s, "markdown": markdown},
     )  # fmt: skip
     print(f"wrote {path}")
 

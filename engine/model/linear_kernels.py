@@ -37,12 +37,12 @@ def kernel_for(weights: str, numerics: str, device: torch.device) -> str:
     """`exact`, `packed`, `bf16`, `bf16-int8head` or `int8` for the WEIGHTS / NUMERICS settings
     on `device`.
 
-    WEIGHTS=auto on CPU is bf16-int8head where the CPU has AMX tiles: there bfloat16 was the
-    fastest kernel for the decoder layers' linears and int8 for the LM head, the largest matrix
-    (evals/bench_kernels.py), for 0.5% more perplexity than float32 where int8 everywhere costs
-    3.6% (evals/quality.py). Without AMX it is int8, which decoded 3.9x faster than float32 on
-    such a CPU for a 2.7% higher perplexity (evals/bench_forward.py). The DTYPE weights
-    elsewhere.
+    WEIGHTS=auto on CPU is bf16-int8head where the CPU has AMX tiles: there int8 ran the LM
+    head, the largest matrix, about twice as fast as bfloat16 (evals/bench_kernels.py) for 0.5%
+    more perplexity than float32, while int8 layers, only 4-17% faster than bfloat16 ones, took
+    int8 everywhere to 3.6% (evals/quality.py). Without AMX it is int8, which decoded 3.9x
+    faster than float32 on such a CPU for a 2.7% higher perplexity (evals/bench_forward.py).
+    The DTYPE weights elsewhere.
     """
     if weights not in WEIGHT_MODES:
         raise ValueError(f"unknown WEIGHTS {weights!r}: expected one of {', '.join(WEIGHT_MODES)}")
@@ -79,6 +79,31 @@ def has_amx() -> bool:
     return bool(torch.cpu._is_amx_tile_supported()) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+# oneDNN builds (and caches, up to 1,024) one primitive per input shape: 2-8 ms and about half a
+# megabyte each, per weight shape. A server's row counts (every prefill length plus the decode
+# rows beside it) would build one almost every step and grow resident memory by hundreds of
+# megabytes (evals/soak.py). Rows beyond the decode sizes are padded up to a multiple of
+# ROW_STEP, so a few dozen shapes cover every batch.
+EXACT_ROWS = 64
+ROW_STEP = 32
+
+
+def row_bucket(rows: int) -> int:
+    """The row count oneDNN is called with for `rows` input rows."""
+    return rows if rows <= EXACT_ROWS else -(-rows // ROW_STEP) * ROW_STEP
+
+
+def padded_rows(x: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """`x` as a [row_bucket(rows), in_features] matrix of `dtype`, padded with zero rows."""
+    rows = x.reshape(-1, in_features)
+    bucket = row_bucket(rows.shape[0])
+    if bucket == rows.shape[0]:
+        return rows.to(dtype)
+    padded = rows.new_zeros((bucket, in_features), dtype=dtype)
+    padded[: rows.shape[0]] = rows
+    return padded
+
+
 class PackedLinear(nn.Module):
     """`x @ W.T` through oneDNN with the weight (in the model's dtype) reordered once, at load."""
 
@@ -88,7 +113,9 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        rows = padded_rows(x, self.in_features, x.dtype)
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")
+        return out[: x.numel() // self.in_features].view(*x.shape[:-1], self.out_features)
 
 
 class BFloat16Linear(nn.Module):
@@ -107,10 +134,10 @@ class BFloat16Linear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.mkldnn._linear_pointwise(
-            x.to(torch.bfloat16), self.packed, None, "none", [], ""
-        )
-        return out.to(x.dtype)
+        rows = padded_rows(x, self.in_features, torch.bfloat16)
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")
+        out = out[: x.numel() // self.in_features].to(x.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 class DynamicInt8Linear(nn.Module):
@@ -177,14 +204,16 @@ class OneDNNInt8Linear(nn.Module):
         self.zero_points = torch.zeros(self.out_features, dtype=torch.long)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype, rows = x.dtype, x.reshape(-1, self.in_features).float()
+        dtype, rows = x.dtype, padded_rows(x, self.in_features, torch.float32)
         row_max = rows.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
         quantized = (rows * (127 / row_max)).round_().to(torch.int8)
         out = torch.ops.onednn.qlinear_pointwise(
             quantized, 1 / 127, 0, self.packed, self.weight_scales, self.zero_points,
             None, 1.0, 0, torch.float32, "none", [], "",
         )  # fmt: skip
-        return out.mul_(row_max).view(*x.shape[:-1], self.out_features).to(dtype)
+        real = x.numel() // self.in_features
+        out = out[:real].mul_(row_max[:real])
+        return out.view(*x.shape[:-1], self.out_features).to(dtype)
 
 
 def int8_linear_class() -> type[nn.Module]:
