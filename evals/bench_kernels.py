@@ -64,7 +64,7 @@ KERNELS: dict[str, Callable[[torch.Tensor], Call]] = {
 def prefill_rows_seconds(calls: int, bucketed: bool) -> float:
     """Seconds for `calls` random row counts of 65-600 through one layer's bf16 linears. oneDNN
     caches primitives by shape for the whole process: run the padded case first, so that the
-    exact case can reuse only those of its row counts that are multiples of 32."""
+    exact case can reuse only those of its row counts that are bucket sizes."""
     layers = [BFloat16Linear(torch.randn(n, k) * 0.02) for n, k in list(SHAPES.values())[1:]]
     rng = random.Random(1)
     start = time.perf_counter()

@@ -59,14 +59,18 @@ def test_kernel_choice() -> None:
 
 
 def test_row_buckets() -> None:
-    """Decode-sized batches run as they are; larger ones are padded to a multiple of 32 rows,
-    so oneDNN sees a few dozen shapes instead of one per prefill length."""
-    assert [row_bucket(rows) for rows in (0, 1, 17, 64, 65, 96, 97, 500, 2048)] == [
-        0, 1, 17, 64, 96, 96, 128, 512, 2048,
+    """Decode-sized batches run as they are; larger ones are padded to one of eight steps per
+    power of two (never more than 1/8 more rows), so oneDNN sees a few dozen shapes instead
+    of one per prefill length."""
+    rows = [0, 1, 17, 64, 65, 72, 73, 78, 127, 128, 129, 500, 2048, 2049]
+    assert [row_bucket(n) for n in rows] == [
+        0, 1, 17, 64, 72, 72, 80, 80, 128, 128, 144, 512, 2048, 2304,
     ]  # fmt: skip
+    assert all(n <= row_bucket(n) <= n * 9 / 8 for n in range(65, 5000))
+    assert len({row_bucket(n) for n in range(1, 2049)}) == 64 + 40
     x = torch.randn(2, 35, 8)
     padded = padded_rows(x, 8, torch.bfloat16)
-    assert padded.shape == (96, 8) and padded.dtype == torch.bfloat16
+    assert padded.shape == (72, 8) and padded.dtype == torch.bfloat16
     assert torch.equal(padded[:70], x.reshape(70, 8).bfloat16()) and not padded[70:].any()
 
 
@@ -75,7 +79,7 @@ def test_row_buckets() -> None:
 def test_kernel_against_float32(kernel: str, rows: int) -> None:
     """packed: float32 rounding away; bf16: bfloat16 rounding (8 bits of mantissa) of inputs,
     weights and outputs, under 1%; int8: a few percent off (int8 on both sides); never 0.
-    70 rows are padded to 96 inside (row_bucket): the padding never reaches the output."""
+    70 rows are padded to 72 inside (row_bucket): the padding never reaches the output."""
     torch.manual_seed(rows)
     weight, x = torch.randn(96, 64), torch.randn(rows, 64)
     expected = F.linear(x, weight)

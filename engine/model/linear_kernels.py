@@ -82,15 +82,18 @@ def has_amx() -> bool:
 # oneDNN builds (and caches, up to 1,024) one primitive per input shape: 2-8 ms and about half a
 # megabyte each, per weight shape. A server's row counts (every prefill length plus the decode
 # rows beside it) would build one almost every step and grow resident memory by hundreds of
-# megabytes (evals/soak.py). Rows beyond the decode sizes are padded up to a multiple of
-# ROW_STEP, so a few dozen shapes cover every batch.
+# megabytes (evals/soak.py). Rows beyond the decode sizes are padded up to one of eight steps
+# per power of two, at most 1/8 more rows, so a few dozen shapes cover every batch.
 EXACT_ROWS = 64
-ROW_STEP = 32
 
 
 def row_bucket(rows: int) -> int:
-    """The row count oneDNN is called with for `rows` input rows."""
-    return rows if rows <= EXACT_ROWS else -(-rows // ROW_STEP) * ROW_STEP
+    """The row count oneDNN is called with for `rows` input rows: `rows` up to EXACT_ROWS, then
+    the next multiple of 2**k / 8 for rows in [2**k, 2**(k+1))."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
 
 
 def padded_rows(x: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.Tensor:
