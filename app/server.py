@@ -40,6 +40,7 @@ def build_server_state(settings: Settings, created: int) -> ServerState:
         device=str(device),
         dtype=str(dtype),
         linear_kernel=kernel,
+        kv_cache_dtype=settings.KV_CACHE_DTYPE,
     )
 
     def build_engine() -> LLMEngine:

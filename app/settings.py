@@ -10,6 +10,7 @@ import msgspec
 from dotenv import dotenv_values
 
 from app.origin import normalize_origin
+from engine.device import parse_dtype
 from engine.faults import FAULT_SPEC_PATTERN, parse_fault_rules
 from engine.llm_engine import EngineConfig
 from engine.sched.policy import TokenCost
@@ -32,6 +33,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     NUMERICS: Literal["exact", "fast"] = "exact"
     MAX_BATCH_SIZE: int = 32
     MAX_ACTIVE_KV_TOKENS: int | None = None  # None: sized from memory
+    # The KV cache's dtype; auto: DTYPE. bfloat16 halves a token's K/V bytes under float32.
+    KV_CACHE_DTYPE: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     KV_BLOCK_SIZE: int = 16
     MAX_QUEUE_LEN: int = 256
     MAX_INFLIGHT_PER_TENANT: int | None = None  # accepted, unfinished requests; None: no limit
@@ -90,6 +93,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
             ),
             block_size=self.KV_BLOCK_SIZE,
             max_active_kv_tokens=self.MAX_ACTIVE_KV_TOKENS,
+            kv_cache_dtype=None
+            if self.KV_CACHE_DTYPE == "auto"
+            else parse_dtype(self.KV_CACHE_DTYPE),
             enable_prefix_caching=self.PREFIX_CACHING,
             session_kv_quota_tokens=self.SESSION_KV_QUOTA_TOKENS,
             faults=parse_fault_rules(self.FAULT_INJECTION),

@@ -44,6 +44,9 @@ class EngineConfig:
     # KV memory budget: the bytes this many tokens take in every storing layer; None: from
     # free memory. Sliding-window layers get only what their window uses, full attention the rest.
     max_active_kv_tokens: int | None = None
+    # The K/V pools' dtype (KV_CACHE_DTYPE); None: the model's. bfloat16 under float32 weights
+    # halves the bytes a token's K/V takes and attention reads (README, "KV cache dtype").
+    kv_cache_dtype: torch.dtype | None = None
     enable_prefix_caching: bool = True
     # The most KV one tenant's sessions keep pinned between turns; None: no quota.
     session_kv_quota_tokens: int | None = 16384
@@ -76,7 +79,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = backend.max_model_len
         num_blocks = _num_kv_blocks(backend, config)
-        self.runner = ModelRunner(backend, num_blocks, config.block_size)
+        self.runner = ModelRunner(backend, num_blocks, config.block_size, config.kv_cache_dtype)
         quota = config.session_kv_quota_tokens
         self.kv = KVCacheManager(
             self.runner.cache_groups,
@@ -209,8 +212,9 @@ class LLMEngine:
 
 def _num_kv_blocks(backend: InferenceBackend, config: EngineConfig) -> dict[str, int]:
     """Blocks per cache group, sized by layer kind (engine.kv.sizing) out of a memory budget:
-    MAX_ACTIVE_KV_TOKENS tokens of K/V in every storing layer, or a share of free memory."""
-    groups = cache_group_specs(backend.arch, backend.dtype)
+    MAX_ACTIVE_KV_TOKENS tokens of K/V in every storing layer (at the cache's dtype), or a
+    share of free memory."""
+    groups = cache_group_specs(backend.arch, config.kv_cache_dtype or backend.dtype)
     bytes_per_token = sum(group.bytes_per_token for group in groups)
     sched = config.scheduler
     max_context: int | None = None

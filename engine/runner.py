@@ -36,13 +36,20 @@ class ModelRunner:
     (per cache group, or one count for every group; the KV manager hands out the same ids)."""
 
     def __init__(
-        self, backend: InferenceBackend, num_blocks: int | Mapping[str, int], block_size: int
+        self,
+        backend: InferenceBackend,
+        num_blocks: int | Mapping[str, int],
+        block_size: int,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.backend = backend
         self.device, self.dtype = backend.device, backend.dtype
-        self.cache_groups = cache_group_specs(backend.arch, backend.dtype)
+        self.kv_dtype = kv_dtype or backend.dtype  # the pools' dtype; None: the model's
+        self.cache_groups = cache_group_specs(backend.arch, self.kv_dtype)
         self.windows = {group.name: group.sliding_window for group in self.cache_groups}
-        self.kv_cache = PagedKVCache(backend.arch, num_blocks, block_size, self.device, self.dtype)
+        self.kv_cache = PagedKVCache(
+            backend.arch, num_blocks, block_size, self.device, self.kv_dtype
+        )
         # Fused attention kernels wherever the numerics need not be transformers' own.
         self.fused_attention = not backend.exact
 

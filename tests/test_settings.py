@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from app.settings import load_settings
+from engine.llm_engine import LLMEngine
 from engine.sched.policy import TokenCost, VtcPolicy
+from tests.engine_harness import shared_backend
 from tests.sched_driver import make_kv, make_seq, run_step
 
 NO_ENV_FILE = Path("/nonexistent/.env")
@@ -73,3 +77,32 @@ def test_ws_allowed_origins_are_normalised() -> None:
     settings = load_settings(NO_ENV_FILE, WS_ALLOWED_ORIGINS=" HTTPS://App.Example/ ,, *")
     assert settings.ws_allowed_origins == frozenset({"https://app.example", "*"})
     assert load_settings(NO_ENV_FILE).ws_allowed_origins == frozenset()
+
+
+def test_kv_cache_dtype_sizes_the_pools_in_its_own_bytes(
+    monkeypatch: pytest.MonkeyPatch, embedded_model
+) -> None:
+    """KV_CACHE_DTYPE=bfloat16: the engine's pools hold bfloat16, a token's K/V costs half the
+    bytes, and MAX_ACTIVE_KV_TOKENS still counts tokens (the same number of blocks)."""
+    assert load_settings(NO_ENV_FILE).engine_config().kv_cache_dtype is None  # auto: DTYPE
+    monkeypatch.setenv("KV_CACHE_DTYPE", "int4")
+    with pytest.raises(SystemExit, match="KV_CACHE_DTYPE"):
+        load_settings(NO_ENV_FILE)
+    monkeypatch.setenv("KV_CACHE_DTYPE", "bfloat16")
+    monkeypatch.setenv("MAX_ACTIVE_KV_TOKENS", "4096")
+    config = load_settings(NO_ENV_FILE).engine_config()
+    assert config.kv_cache_dtype == torch.bfloat16
+
+    backend = shared_backend(embedded_model, "kv-dtype")
+    runners = {
+        dtype: LLMEngine.for_model(
+            embedded_model, backend, replace(config, kv_cache_dtype=dtype)
+        ).runner
+        for dtype in (torch.float32, torch.bfloat16)
+    }
+    half, full = runners[torch.bfloat16], runners[torch.float32]
+    assert {pool.dtype for pool in half.kv_cache.keys.values()} == {torch.bfloat16}
+    assert half.kv_cache.num_blocks == full.kv_cache.num_blocks
+    assert [2 * g.bytes_per_token for g in half.cache_groups] == [
+        g.bytes_per_token for g in full.cache_groups
+    ]

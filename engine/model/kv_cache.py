@@ -77,9 +77,11 @@ class PagedKVCache:
     def write(
         self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> None:
-        """Store `keys`/`values` ([N, num_kv_heads, head_dim]) of `layer` at `slots` ([N])."""
-        self.keys[layer].index_copy_(0, slots, keys)
-        self.values[layer].index_copy_(0, slots, values)
+        """Store `keys`/`values` ([N, num_kv_heads, head_dim]) of `layer` at `slots` ([N]),
+        rounded to the pools' dtype."""
+        key_pool, value_pool = self.keys[layer], self.values[layer]
+        key_pool.index_copy_(0, slots, keys.to(key_pool.dtype))
+        value_pool.index_copy_(0, slots, values.to(value_pool.dtype))
 
     def copy_block(self, group: str, src: int, dst: int) -> None:
         """Copy-on-write: duplicate block `src` into `dst` in every layer storing for `group`."""

@@ -297,20 +297,26 @@ def _attend_chunk_fused(
     softcap: float | None,
     mass: torch.Tensor | None,
 ) -> torch.Tensor:
-    """_attend_chunk through scaled_dot_product_attention (no softcap, no mass)."""
+    """_attend_chunk through scaled_dot_product_attention (no softcap, no mass). With a cache
+    in another dtype than the queries (KV_CACHE_DTYPE), the queries are rounded to the cache's
+    dtype and the fused kernel runs in it (it sums in float32), so the gathered keys and
+    values are read at their own size; the output comes back in the queries' dtype."""
     num_heads, num_kv_heads = query.shape[1], key_pool.shape[1]
     keys, values = _gather_keys_values(chunk, key_pool, value_pool)
+    mask, dtype = chunk.mask, query.dtype
+    if keys.dtype != dtype:
+        query, mask = query.to(keys.dtype), mask.to(keys.dtype)
     b = chunk.num_seqs
     if chunk.q_len == 1:
         # Decode: the query heads sharing a KV head are that head's query rows.
         q = query.reshape(b, num_kv_heads, num_heads // num_kv_heads, -1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=chunk.mask, scale=scaling)
-        return out.reshape(b, num_heads, -1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+        return out.reshape(b, num_heads, -1).to(dtype)
     q = query.transpose(0, 1).unsqueeze(0)
     out = F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=chunk.mask, scale=scaling, enable_gqa=True
+        q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True
     )
-    return out[0].transpose(0, 1)
+    return out[0].transpose(0, 1).to(dtype)
 
 
 def _attend_chunk(
@@ -328,6 +334,7 @@ def _attend_chunk(
     groups = num_heads // num_kv_heads
     b, q_len, k_len = chunk.num_seqs, chunk.q_len, chunk.num_keys
     keys, values = _gather_keys_values(chunk, key_pool, value_pool)
+    keys, values = keys.to(query.dtype), values.to(query.dtype)  # a KV_CACHE_DTYPE cache
     if q_len == 1:
         # Decode: the query heads sharing a KV head become the rows of one matmul.
         q = query.reshape(b, num_kv_heads, groups, head_dim)
