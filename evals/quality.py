@@ -14,6 +14,11 @@ Modes: float32 exact (bit-equal to transformers), float32 fast (pre-packed oneDN
   `llama-perplexity` scores the original Q4_K_M GGUF on the same text the same way.
 - Greedy agreement, through the serving engine itself (the offline API): `--prompts` prompts of
   the same text, `--new-tokens` greedy tokens each, compared with float32 exact token by token.
+- The KV cache's dtype (KV_CACHE_DTYPE), which transformers' forward never stores: the same
+  perplexity through the engine's model runner and paged cache, each chunk one prefill whose
+  keys and values are written to the cache and read back from it, for float32 exact weights
+  (the reference: it equals the line above to float rounding) and for bf16-int8head with a
+  float32 and a bfloat16 cache.
 
 The text is the GNU GPL version 3 as every Debian system carries it (package base-files,
 /usr/share/common-licenses/GPL-3): about 8,000 tokens of plain English, read at run time.
@@ -30,9 +35,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from engine.backends import create_backend
+from engine.model.batch import ForwardBatch, GroupAttention
 from engine.model.linear_kernels import body_and_head, kernel_for, make_linear, quantize_model
 from engine.model.loader import EMBEDDED_MODEL, LoadedModel, embedded_gguf_path, load_model
 from engine.offline import LLM
+from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from evals.harness import hf_reference_model, llama_binary, llama_cpu_args, write_results
 from evals.plots import bar_chart
@@ -60,12 +68,50 @@ def perplexity(loaded: LoadedModel, kernel: str, tokens: list[int], context: int
     total_nll, scored = 0.0, 0
     for start in tqdm(range(0, len(tokens) - context + 1, context), desc=kernel, unit="chunk"):
         chunk = [bos, *tokens[start + 1 : start + context]]
-        logits = model(torch.tensor([chunk])).logits[0].double()
-        first = context // 2
-        log_probs = torch.log_softmax(logits[first : context - 1], dim=-1)
-        targets = torch.tensor(chunk[first + 1 : context])[:, None]
-        total_nll -= log_probs.gather(1, targets).sum().item()
-        scored += context - 1 - first
+        nll, count = _score(model(torch.tensor([chunk])).logits[0], chunk, context)
+        total_nll, scored = total_nll + nll, scored + count
+    return math.exp(total_nll / scored)
+
+
+def _score(logits: torch.Tensor, chunk: list[int], context: int) -> tuple[float, int]:
+    """Negative log-likelihood of the chunk's second half, and how many tokens it scores."""
+    first = context // 2
+    log_probs = torch.log_softmax(logits[first : context - 1].double(), dim=-1)
+    targets = torch.tensor(chunk[first + 1 : context])[:, None]
+    return -log_probs.gather(1, targets).sum().item(), context - 1 - first
+
+
+def _one_prefill(chunk: list[int], groups: list[str]) -> ForwardBatch:
+    """The whole chunk as one sequence's prefill, in slots 0..len-1 of every cache group,
+    with the logits of every row."""
+    n = len(chunk)
+    rows = torch.arange(n)
+    addressing = GroupAttention(rows, rows[None], rows[None], torch.ones(1, n, dtype=torch.bool))
+    return ForwardBatch(
+        input_ids=torch.tensor(chunk),
+        positions=rows,
+        query_start=[0, n],
+        groups=dict.fromkeys(groups, addressing),
+        logits_indices=rows,
+    )
+
+
+@torch.inference_mode()
+def paged_perplexity(
+    loaded: LoadedModel, kernel: str, kv_dtype: torch.dtype, tokens: list[int], context: int
+) -> float:
+    """perplexity() through the engine's model runner and paged KV cache in `kv_dtype`."""
+    backend = create_backend("custom", loaded, CPU, torch.float32, kernel)
+    block_size = 16
+    runner = ModelRunner(backend, -(-context // block_size), block_size, kv_dtype)
+    groups = [group.name for group in runner.cache_groups]
+    bos = loaded.tokenizer.bos_token_id
+    total_nll, scored = 0.0, 0
+    name = f"{kernel}, {kv_dtype} KV"
+    for start in tqdm(range(0, len(tokens) - context + 1, context), desc=name, unit="chunk"):
+        chunk = [bos, *tokens[start + 1 : start + context]]
+        nll, count = _score(runner.forward(_one_prefill(chunk, groups)).logits, chunk, context)
+        total_nll, scored = total_nll + nll, scored + count
     return math.exp(total_nll / scored)
 
 
@@ -130,6 +176,14 @@ def main() -> None:
             "perplexity": round(perplexity(loaded, kernel, tokens, args.context), 4),
             **agreement(outputs, reference),
         }
+    kv_cache = {
+        name: round(paged_perplexity(loaded, kernel, kv_dtype, tokens, args.context), 4)
+        for name, kernel, kv_dtype in (
+            ("fp32 exact, float32 KV", "exact", torch.float32),
+            ("bf16-int8head, float32 KV", "bf16-int8head", torch.float32),
+            ("bf16-int8head, bfloat16 KV", "bf16-int8head", torch.bfloat16),
+        )
+    }
     llama = llama_cpp_perplexity(TEXT_PATH, args.context)
     base = results["fp32 exact"]["perplexity"]
     for row in results.values():
@@ -144,11 +198,14 @@ def main() -> None:
             f"{row['mean_matching_prefix']:.1f}/{args.new_tokens} tokens before a difference"
         )
     print(f"  llama.cpp Q4_K_M (llama-perplexity): {llama if llama else 'not installed'}")
+    print("through the engine's paged KV cache:")
+    for name, value in kv_cache.items():
+        print(f"  {name:26s} ppl {value:8.3f}  x{value / base:.4f} of fp32")
     path = write_results(
         "quality",
         {"text": str(TEXT_PATH), "text_tokens": len(tokens), "context": args.context,
          "prompts": args.prompts, "new_tokens": args.new_tokens, "modes": results,
-         "llama_cpp_q4_k_m_perplexity": llama},
+         "kv_cache_perplexity": kv_cache, "llama_cpp_q4_k_m_perplexity": llama},
     )  # fmt: skip
     bars = {name: row["perplexity"] for name, row in results.items()}
     if llama:
