@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 
@@ -13,6 +13,7 @@ from engine.backends import create_backend
 from engine.device import resolve_device, resolve_dtype
 from engine.llm_engine import LLMEngine
 from engine.metrics import ServingMetrics
+from engine.model.kv_cache import auto_kv_cache_dtype
 from engine.model.linear_kernels import kernel_for
 from engine.model.loader import load_model
 
@@ -46,10 +47,11 @@ def build_server_state(settings: Settings, created: int) -> ServerState:
     def build_engine() -> LLMEngine:
         # Runs on the engine thread: loading, backend and KV allocation included (see AsyncEngine).
         loaded = load_model(settings.MODEL_NAME, dtype)
+        config = settings.engine_config()
+        if config.kv_cache_dtype is None:  # KV_CACHE_DTYPE=auto
+            config = replace(config, kv_cache_dtype=auto_kv_cache_dtype(kernel, dtype))
         return LLMEngine.for_model(
-            loaded,
-            create_backend(settings.BACKEND, loaded, device, dtype, kernel),
-            settings.engine_config(),
+            loaded, create_backend(settings.BACKEND, loaded, device, dtype, kernel), config
         )
 
     async_engine = AsyncEngine(build_engine, metrics_max_tenants=settings.METRICS_MAX_TENANTS)

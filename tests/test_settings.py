@@ -10,6 +10,7 @@ import torch
 
 from app.settings import load_settings
 from engine.llm_engine import LLMEngine
+from engine.model.kv_cache import auto_kv_cache_dtype
 from engine.sched.policy import TokenCost, VtcPolicy
 from tests.engine_harness import shared_backend
 from tests.sched_driver import make_kv, make_seq, run_step
@@ -84,7 +85,13 @@ def test_kv_cache_dtype_sizes_the_pools_in_its_own_bytes(
 ) -> None:
     """KV_CACHE_DTYPE=bfloat16: the engine's pools hold bfloat16, a token's K/V costs half the
     bytes, and MAX_ACTIVE_KV_TOKENS still counts tokens (the same number of blocks)."""
-    assert load_settings(NO_ENV_FILE).engine_config().kv_cache_dtype is None  # auto: DTYPE
+    assert load_settings(NO_ENV_FILE).engine_config().kv_cache_dtype is None  # auto
+    # auto, resolved by the server and the offline API once the kernel is known:
+    for kernel in ("bf16", "bf16-int8head", "int8"):
+        assert auto_kv_cache_dtype(kernel, torch.float32) == torch.bfloat16
+    for kernel in ("exact", "packed"):
+        assert auto_kv_cache_dtype(kernel, torch.float32) == torch.float32
+    assert auto_kv_cache_dtype("exact", torch.float16) == torch.float16
     monkeypatch.setenv("KV_CACHE_DTYPE", "int4")
     with pytest.raises(SystemExit, match="KV_CACHE_DTYPE"):
         load_settings(NO_ENV_FILE)
