@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import structlog
 
@@ -13,7 +13,6 @@ from engine.backends import create_backend
 from engine.device import resolve_device, resolve_dtype
 from engine.llm_engine import LLMEngine
 from engine.metrics import ServingMetrics
-from engine.model.kv_cache import auto_kv_cache_dtype
 from engine.model.linear_kernels import kernel_for
 from engine.model.loader import load_model
 
@@ -35,21 +34,19 @@ def build_server_state(settings: Settings, created: int) -> ServerState:
     device = resolve_device(settings.DEVICE)
     dtype = resolve_dtype(settings.DTYPE, device)
     kernel = kernel_for(settings.WEIGHTS, settings.NUMERICS, device)
+    config = settings.engine_config().with_auto_kv_cache_dtype(kernel, dtype)
     log.info(
         "loading model",
         model=settings.MODEL_NAME,
         device=str(device),
         dtype=str(dtype),
         linear_kernel=kernel,
-        kv_cache_dtype=settings.KV_CACHE_DTYPE,
+        kv_cache_dtype=str(config.kv_cache_dtype),
     )
 
     def build_engine() -> LLMEngine:
         # Runs on the engine thread: loading, backend and KV allocation included (see AsyncEngine).
         loaded = load_model(settings.MODEL_NAME, dtype)
-        config = settings.engine_config()
-        if config.kv_cache_dtype is None:  # KV_CACHE_DTYPE=auto
-            config = replace(config, kv_cache_dtype=auto_kv_cache_dtype(kernel, dtype))
         return LLMEngine.for_model(
             loaded, create_backend(settings.BACKEND, loaded, device, dtype, kernel), config
         )

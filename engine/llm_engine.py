@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -20,7 +20,7 @@ from engine.detokenizer import IncrementalDetokenizer, check_stop
 from engine.faults import FaultInjector, FaultRule
 from engine.kv.manager import KVCacheManager
 from engine.kv.sizing import blocks_per_group
-from engine.model.kv_cache import cache_group_specs
+from engine.model.kv_cache import auto_kv_cache_dtype, cache_group_specs
 from engine.model.loader import LoadedModel
 from engine.request import FinishReason, Sequence, StepOutput, TokenLogprob
 from engine.runner import ModelRunner
@@ -51,6 +51,13 @@ class EngineConfig:
     # The most KV one tenant's sessions keep pinned between turns; None: no quota.
     session_kv_quota_tokens: int | None = 16384
     faults: tuple[FaultRule, ...] = ()  # FAULT_INJECTION's rules (tests only; engine.faults)
+
+    def with_auto_kv_cache_dtype(self, kernel: str, dtype: torch.dtype) -> EngineConfig:
+        """This config with no kv_cache_dtype resolved as KV_CACHE_DTYPE=auto does for the
+        linear `kernel` and model `dtype` (engine.model.kv_cache.auto_kv_cache_dtype)."""
+        if self.kv_cache_dtype is not None:
+            return self
+        return replace(self, kv_cache_dtype=auto_kv_cache_dtype(kernel, dtype))
 
 
 class StepFailed(RuntimeError):

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.backends import create_backend
 from engine.device import resolve_device, resolve_dtype
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.model.kv_cache import auto_kv_cache_dtype
 from engine.model.linear_kernels import kernel_for
 from engine.model.loader import EMBEDDED_MODEL, LoadedModel, load_model
 from engine.request import FinishReason, Sequence, TokenLogprob
@@ -61,10 +60,10 @@ class LLM:
         loaded = model if isinstance(model, LoadedModel) else load_model(model, self.dtype)
         self.model_id = loaded.model_id
         self.tokenizer = loaded.tokenizer
-        if config.kv_cache_dtype is None:  # as KV_CACHE_DTYPE=auto
-            config = replace(config, kv_cache_dtype=auto_kv_cache_dtype(kernel, self.dtype))
         self.engine = LLMEngine.for_model(
-            loaded, create_backend(backend, loaded, self.device, self.dtype, kernel), config
+            loaded,
+            create_backend(backend, loaded, self.device, self.dtype, kernel),
+            config.with_auto_kv_cache_dtype(kernel, self.dtype),
         )
 
     def encode(self, prompt: Prompt) -> list[int]:

@@ -72,7 +72,7 @@ class ModelRunner:
             self.kv_cache,
             self.windows,
             self.device,
-            self.dtype,
+            self.kv_dtype,  # the masks' dtype: what the fused attention computes in
             fused=self.fused_attention,
         )
         logits = self.backend.forward(

@@ -144,7 +144,7 @@ class TeacherForcedDriver:
         runner = self.runner
         groups = tuple(sorted({g for t in tracks for g in t.variant.mass_groups}))
         step = PagedAttentionStep(
-            batch, runner.kv_cache, runner.windows, runner.device, runner.dtype, groups
+            batch, runner.kv_cache, runner.windows, runner.device, runner.kv_dtype, groups
         )
         logits = runner.backend.forward(
             batch.input_ids.to(runner.device),
