@@ -9,9 +9,11 @@ No threads and no asyncio here (see `engine.async_engine` for serving). Each ste
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
+import structlog
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -29,6 +31,8 @@ from engine.sched.admission import AddResult
 from engine.sched.output import SchedulerOutput
 from engine.sched.scheduler import Scheduler, SchedulerConfig
 from engine.step_profile import StepProfile
+
+log = structlog.get_logger(__name__)
 
 # With no MAX_ACTIVE_KV_TOKENS, the KV cache takes this share of free memory.
 _AUTO_KV_MEMORY_FRACTION = 0.25
@@ -87,6 +91,7 @@ class LLMEngine:
         self.max_model_len = backend.max_model_len
         num_blocks = _num_kv_blocks(backend, config)
         self.runner = ModelRunner(backend, num_blocks, config.block_size, config.kv_cache_dtype)
+        self._warm_up_kernels()
         quota = config.session_kv_quota_tokens
         self.kv = KVCacheManager(
             self.runner.cache_groups,
@@ -110,6 +115,18 @@ class LLMEngine:
         return cls(
             backend, loaded.tokenizer, loaded.eos_token_ids, config, model_id=loaded.model_id
         )
+
+    def _warm_up_kernels(self) -> None:
+        """Build the kernels' per-shape state for every step shape now, on the thread that will
+        run the steps: the first requests do not pay for it, and resident memory does not grow
+        with the variety of traffic later (engine.model.linear_kernels.warm_up)."""
+        started = time.perf_counter()
+        sched = self.config.scheduler
+        calls = self.backend.warm_up(sched.max_num_batched_tokens, sched.max_num_seqs)
+        if calls:
+            log.info(
+                "kernels warmed up", calls=calls, seconds=round(time.perf_counter() - started, 2)
+            )
 
     def add(self, seq: Sequence) -> AddResult:
         """Offer a sequence to the scheduler; accepted ones keep their detokenizer."""

@@ -15,8 +15,19 @@ import httpx
 import pytest
 
 from app.settings import Settings
+from engine.model.linear_kernels import has_bf16
 
 ROOT = Path(__file__).resolve().parent.parent
+# oneDNN's bfloat16 GEMM needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; WEIGHTS=bf16 is refused
+# without it (test_linear_kernels.py), so its numerics are tested where it runs.
+needs_bf16 = pytest.mark.skipif(not has_bf16(), reason="this CPU has no oneDNN bfloat16 GEMM")
+
+
+def bf16_param(*values: object) -> object:
+    """A parametrize case that runs only where the CPU has oneDNN's bfloat16 GEMM."""
+    return pytest.param(*values, marks=needs_bf16)
+
+
 MODEL_ID = "gemma-3-270m"
 
 

@@ -25,6 +25,7 @@ from engine.model.linear_kernels import (
     quantize_model,
 )
 from engine.runner import ModelRunner
+from tests.conftest import bf16_param
 from tests.forward_contract import (  # noqa: F401  (shared tests, collected in this module too)
     prompt,
     test_hf_backend_matches_custom_on_a_mixed_batch,
@@ -163,7 +164,7 @@ def test_batch_of_different_lengths_matches_each_alone(setup):
         assert max((a - b).abs().max().item() for a, b in pairs) < 2e-5
 
 
-@pytest.mark.parametrize("kernel", ["packed", "bf16", "int8"])
+@pytest.mark.parametrize("kernel", ["packed", bf16_param("bf16"), "int8"])
 def test_fused_projections_compute_what_separate_ones_do(setup, kernel):
     """The approximate kernels run q/k(/v) and gate/up as one linear each: on k=v, KV-shared and
     double-wide layers alike, the logits equal those of the same kernel on separate linears

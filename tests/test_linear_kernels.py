@@ -23,13 +23,18 @@ from engine.model.linear_kernels import (
     PackedLinear,
     body_and_head,
     has_amx,
+    has_bf16,
     int8_linear_class,
+    int8_weight_max,
     kernel_for,
     make_linear,
     padded_rows,
     quantize_model,
     row_bucket,
+    row_buckets,
+    warm_up,
 )
+from tests.conftest import bf16_param, needs_bf16
 from tests.paged_driver import PagedDriver
 
 CPU = torch.device("cpu")
@@ -39,7 +44,6 @@ LICENSE_TEXT = Path("/usr/share/common-licenses/GPL-3")  # Debian's base-files: 
 def test_kernel_choice() -> None:
     # The measured choice on CPU: bf16 layers and an int8 head on AMX tiles, int8 without them.
     assert kernel_for("auto", "exact", CPU) == ("bf16-int8head" if has_amx() else "int8")
-    assert kernel_for("bf16-int8head", "exact", CPU) == "bf16-int8head"
     assert body_and_head("bf16-int8head") == ("bf16", "int8")
     assert body_and_head("packed") == ("packed", "packed")
     assert kernel_for("auto", "exact", torch.device("cuda")) == "exact"
@@ -47,7 +51,6 @@ def test_kernel_choice() -> None:
     assert kernel_for("fp32", "fast", CPU) == "packed"
     assert kernel_for("int8", "exact", CPU) == "int8"
     assert kernel_for("int8", "fast", CPU) == "int8"
-    assert kernel_for("bf16", "exact", CPU) == "bf16"
     assert kernel_for("fp32", "fast", torch.device("cuda")) == "exact"  # oneDNN is CPU-only
     for weights in ("int8", "bf16", "bf16-int8head"):
         with pytest.raises(ValueError, match="CPU kernel"):
@@ -58,24 +61,63 @@ def test_kernel_choice() -> None:
         kernel_for("fp32", "loose", CPU)
 
 
+@needs_bf16
+def test_bf16_chosen_where_the_cpu_has_it() -> None:
+    assert kernel_for("bf16-int8head", "exact", CPU) == "bf16-int8head"
+    assert kernel_for("bf16", "exact", CPU) == "bf16"
+
+
+@pytest.mark.skipif(has_bf16(), reason="this CPU has oneDNN's bfloat16 GEMM")
+def test_bf16_refused_where_the_cpu_lacks_it() -> None:
+    """A clear startup error naming what is missing, not oneDNN's failure at the first load."""
+    for weights in ("bf16", "bf16-int8head"):
+        with pytest.raises(ValueError, match="bfloat16 GEMM, which this CPU lacks"):
+            kernel_for(weights, "fast", CPU)
+
+
 def test_row_buckets() -> None:
-    """Decode-sized batches run as they are; larger ones are padded to one of eight steps per
+    """Small decode batches run as they are; larger ones are padded to one of eight steps per
     power of two (never more than 1/8 more rows), so oneDNN sees a few dozen shapes instead
     of one per prefill length."""
-    rows = [0, 1, 17, 64, 65, 72, 73, 78, 127, 128, 129, 500, 2048, 2049]
+    rows = [0, 1, 16, 17, 18, 33, 64, 65, 72, 73, 78, 127, 128, 129, 500, 2048, 2049]
     assert [row_bucket(n) for n in rows] == [
-        0, 1, 17, 64, 72, 72, 80, 80, 128, 128, 144, 512, 2048, 2304,
+        0, 1, 16, 18, 18, 36, 64, 72, 72, 80, 80, 128, 128, 144, 512, 2048, 2304,
     ]  # fmt: skip
-    assert all(n <= row_bucket(n) <= n * 9 / 8 for n in range(65, 5000))
-    assert len({row_bucket(n) for n in range(1, 2049)}) == 64 + 40
+    assert all(n <= row_bucket(n) <= n * 9 / 8 for n in range(17, 5000))
+    assert len({row_bucket(n) for n in range(1, 2049)}) == 16 + 7 * 8
+    assert row_buckets(40) == [*range(1, 17), *range(18, 33, 2), 36, 40]
     x = torch.randn(2, 35, 8)
     padded = padded_rows(x, 8, torch.bfloat16)
     assert padded.shape == (72, 8) and padded.dtype == torch.bfloat16
     assert torch.equal(padded[:70], x.reshape(70, 8).bfloat16()) and not padded[70:].any()
 
 
+def test_warm_up_calls_every_bucket_of_each_onednn_shape_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Modules of one kernel and shape share oneDNN's primitives: one of them runs each row
+    bucket; a module of another shape runs them too; fbgemm and F.linear need no warming."""
+    calls: list[tuple[int, int, torch.dtype]] = []
+    forward = PackedLinear.forward
+
+    def counting(self: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+        calls.append((self.out_features, x.shape[0], x.dtype))
+        return forward(self, x)
+
+    monkeypatch.setattr(PackedLinear, "forward", counting)
+    model = torch.nn.Sequential(
+        PackedLinear(torch.randn(24, 8)),
+        PackedLinear(torch.randn(24, 8)),  # the same shape: its primitives are the first's
+        PackedLinear(torch.randn(40, 8)),
+        DynamicInt8Linear(torch.randn(24, 8)),
+        torch.nn.Linear(8, 8, bias=False),
+    )
+    assert warm_up(model, 20, torch.float32) == 2 * len(row_buckets(20))
+    assert calls == [(out, rows, torch.float32) for out in (24, 40) for rows in row_buckets(20)]
+
+
 @pytest.mark.parametrize("rows", [1, 5, 33, 70])
-@pytest.mark.parametrize("kernel", ["packed", "bf16", "int8"])
+@pytest.mark.parametrize("kernel", ["packed", bf16_param("bf16"), "int8"])
 def test_kernel_against_float32(kernel: str, rows: int) -> None:
     """packed: float32 rounding away; bf16: bfloat16 rounding (8 bits of mantissa) of inputs,
     weights and outputs, under 1%; int8: a few percent off (int8 on both sides); never 0.
@@ -94,7 +136,8 @@ def test_kernel_against_float32(kernel: str, rows: int) -> None:
 
 def test_onednn_int8_against_float32() -> None:
     """oneDNN's int8 (the int8 kernel on AMX CPUs) is a few percent off float32, like fbgemm's,
-    and equals the same quantization computed exactly in float64."""
+    and equals the same quantization computed exactly in float64: no int16 pair sum saturates
+    (weights use 7 bits on CPUs without VNNI)."""
     torch.manual_seed(2)
     weight, x = torch.randn(96, 64), torch.randn(7, 64)
     linear = OneDNNInt8Linear(weight)
@@ -102,12 +145,32 @@ def test_onednn_int8_against_float32() -> None:
     relative = ((got - expected).norm() / expected.norm()).item()
     assert 0 < relative < 0.03
     # The same integers by hand: per-channel weights, per-row activations, exact products.
-    w_scale = weight.abs().amax(dim=1, keepdim=True) / 127
-    w_q = (weight / w_scale).round().clamp(-127, 127).double()
+    top = int8_weight_max()
+    w_scale = weight.abs().amax(dim=1, keepdim=True) / top
+    w_q = (weight / w_scale).round().clamp(-top, top).double()
     row_max = x.abs().amax(dim=1, keepdim=True)
     x_q = (x * (127 / row_max)).round().double()
     by_hand = (x_q @ w_q.T) * w_scale.double().T * (row_max.double() / 127)
     torch.testing.assert_close(got.double(), by_hand, rtol=1e-5, atol=1e-5)
+
+
+def test_fbgemm_int8_equals_its_integers() -> None:
+    """fbgemm's int8 GEMM equals its integers multiplied exactly (float64): the weights as
+    packed, the activations as PyTorch quantizes each row divided by its largest magnitude
+    (uint8 over the pinned [-1, 1]). Without VNNI, 8-bit weights saturated fbgemm's int16 pair
+    sums and put outputs off by up to 23 here; 7-bit ones cannot (int8_weight_max)."""
+    torch.manual_seed(3)
+    weight, x = torch.randn(96, 64), torch.randn(7, 64)
+    linear = DynamicInt8Linear(weight)
+    packed_weight, _ = torch.ops.quantized.linear_unpack(linear.packed)
+    w_q = packed_weight.int_repr().double()
+    assert w_q.abs().max() == int8_weight_max()
+    w_scale = packed_weight.q_per_channel_scales().double()
+    row_max = x.abs().amax(dim=1, keepdim=True)
+    x_q = torch.quantize_per_tensor(x / row_max, 2 / 255, 128, torch.quint8)
+    x_q = x_q.int_repr().double() - 128
+    by_hand = (x_q @ w_q.T) * (2 / 255) * w_scale * row_max.double()
+    torch.testing.assert_close(linear(x).double(), by_hand, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("linear_class", [DynamicInt8Linear, OneDNNInt8Linear])
@@ -142,7 +205,8 @@ def test_quantize_model_replaces_every_linear() -> None:
     assert isinstance(make_linear("int8", torch.randn(4, 4)), int8_linear_class())
     assert int8_linear_class() is (OneDNNInt8Linear if has_amx() else DynamicInt8Linear)
     assert isinstance(make_linear("packed", torch.randn(4, 4)), PackedLinear)
-    assert isinstance(make_linear("bf16", torch.randn(4, 4)), BFloat16Linear)
+    if has_bf16():
+        assert isinstance(make_linear("bf16", torch.randn(4, 4)), BFloat16Linear)
 
 
 def _driver(model, kernel: str, kv_dtype: torch.dtype | None = None) -> PagedDriver:
@@ -194,10 +258,10 @@ def test_packed_kernels_on_the_real_model(embedded_model) -> None:
     # (KV_CACHE_DTYPE) under bf16-int8head: 96.1% at x1.008, against 97.3% at x1.004 with a
     # float32 one; under exact float32 weights alone: 100% at x1.000, yet not the same logits.
     [
-        ("bf16", None, 0.95, 1.01),
-        ("bf16-int8head", None, 0.9, 1.02),
+        bf16_param("bf16", None, 0.95, 1.01),
+        bf16_param("bf16-int8head", None, 0.9, 1.02),
         ("int8", None, 0.8, 1.1),
-        ("bf16-int8head", torch.bfloat16, 0.9, 1.02),
+        bf16_param("bf16-int8head", torch.bfloat16, 0.9, 1.02),
         ("exact", torch.bfloat16, 0.98, 1.005),
     ],
 )

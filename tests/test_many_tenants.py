@@ -17,7 +17,8 @@ from tests.conftest import MODEL_ID, RunningServer, start_server, stop_server
 pytestmark = pytest.mark.slow
 
 USERS = 10_000
-FIRST = 1_000  # measured after these, then again after all
+FIRST = 1_000  # measured after these, after HALF, then again after all
+HALF = 5_500
 CONCURRENCY = 32
 MAX_IDLE_TENANTS = 256
 METRICS_MAX_TENANTS = 16
@@ -79,7 +80,9 @@ async def test_ten_thousand_tenants_leave_bounded_state(server: RunningServer) -
     async with httpx.AsyncClient(base_url=server.base_url, timeout=120, limits=limits) as client:
         await send_users(client, range(FIRST))
         early = await observe(client, server.process.pid)
-        await send_users(client, range(FIRST, USERS))
+        await send_users(client, range(FIRST, HALF))
+        middle = await observe(client, server.process.pid)
+        await send_users(client, range(HALF, USERS))
         late = await observe(client, server.process.pid)
     # Every tenant is idle between batches of work: at most MAX_IDLE_TENANTS are remembered
     # (plus the few still finishing), the rest were retired.
@@ -89,7 +92,10 @@ async def test_ten_thousand_tenants_leave_bounded_state(server: RunningServer) -
         assert 0 < seen["tenant_labels"] <= METRICS_MAX_TENANTS, seen
     assert late["retired"] >= USERS - MAX_IDLE_TENANTS - CONCURRENCY, late
     # Nine times the tenants, the same footprint: /metrics within a few label values' bytes,
-    # the per-step scheduling cost and the process's memory flat.
+    # the per-step scheduling cost flat.
     assert late["metrics_bytes"] <= early["metrics_bytes"] * 1.1, (early, late)
     assert late["schedule_ms"] <= 2 * early["schedule_ms"] + 0.5, (early, late)
-    assert late["rss"] - early["rss"] < 48 * 2**20, (early, late)
+    # And the process's memory: what state each tenant leaves would grow it in proportion
+    # (4,500 tenants more: under 5.5 KB each). Measured from the middle, once the allocator's
+    # arenas have reached the size this traffic keeps them at.
+    assert late["rss"] - middle["rss"] < 24 * 2**20, (early, middle, late)

@@ -58,3 +58,10 @@ class InferenceBackend(ABC):
     ) -> torch.Tensor:
         """Logits [N, vocab] float32 of the flattened batch's rows `logits_indices` ([T] ids and
         positions, on the device); each layer writes and reads K/V through `step`."""
+
+    def warm_up(self, max_tokens: int, max_seqs: int) -> int:
+        """Build whatever per-shape state the kernels keep (oneDNN's primitives) for every
+        batch a step can bring: up to `max_tokens` rows through the decoder layers and
+        `max_seqs` through the LM head. Returns the number of kernel calls made; 0 where the
+        kernels keep no such state."""
+        return 0

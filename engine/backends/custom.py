@@ -7,6 +7,7 @@ import torch
 from engine.backends.base import InferenceBackend
 from engine.model.architecture import GemmaTextConfig
 from engine.model.gemma import GemmaForCausalLM
+from engine.model.linear_kernels import warm_up
 from engine.model.paged_attention import PagedAttentionStep
 
 
@@ -31,3 +32,9 @@ class CustomBackend(InferenceBackend):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         return self.model(input_ids, positions, step, logits_indices)
+
+    def warm_up(self, max_tokens: int, max_seqs: int) -> int:
+        calls = warm_up(self.model.model, max_tokens, self.dtype)
+        if self.model.fast_head is not None:
+            calls += warm_up(self.model.fast_head, max_seqs, self.dtype)
+        return calls

@@ -27,7 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from engine.backends.base import InferenceBackend
 from engine.model.architecture import GemmaTextConfig, architecture_from_config
-from engine.model.linear_kernels import quantize_model
+from engine.model.linear_kernels import quantize_model, warm_up
 from engine.model.paged_attention import PagedAttentionStep
 
 ATTENTION_NAME = "gemma_serve_paged"
@@ -127,3 +127,9 @@ class HFBackend(InferenceBackend):
             kv_sources=self.kv_sources,
         )
         return out.logits[0].float()
+
+    def warm_up(self, max_tokens: int, max_seqs: int) -> int:
+        head = self.model.get_output_embeddings()
+        return warm_up(self.model.model, max_tokens, self.dtype) + warm_up(
+            head, max_seqs, self.dtype
+        )

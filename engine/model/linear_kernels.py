@@ -21,7 +21,10 @@ MPS only `exact` exists: the other kernels are CPU libraries.
 
 from __future__ import annotations
 
+import re
 import warnings
+from functools import cache
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -58,6 +61,11 @@ def kernel_for(weights: str, numerics: str, device: torch.device) -> str:
                 f"WEIGHTS={weights} uses {_CPU_ONLY[weights]}, a CPU kernel; "
                 f"not available on {device}"
             )
+        if weights.startswith("bf16") and not has_bf16():
+            raise ValueError(
+                f"WEIGHTS={weights} needs oneDNN's bfloat16 GEMM, which this CPU lacks "
+                "(it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT); use WEIGHTS=int8 or fp32"
+            )
         return weights
     if numerics == "fast" and device.type == "cpu" and torch.backends.mkldnn.is_available():
         return "packed"
@@ -74,17 +82,45 @@ def body_and_head(kernel: str) -> tuple[str, str]:
     return _SPLIT_KERNELS.get(kernel, (kernel, kernel))
 
 
+def has_bf16() -> bool:
+    """Whether oneDNN has a bfloat16 GEMM for this CPU (BFloat16Linear's kernel)."""
+    return (
+        bool(torch.backends.mkldnn.is_available()) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+@cache
+def has_vnni() -> bool:
+    """Whether this CPU multiplies int8 with VNNI (vpdpbusd, int32 sums). Without it the int8
+    GEMMs of fbgemm and oneDNN sum pairs of u8 x s8 products in int16 (vpmaddubsw), which
+    saturates once activations and weights are both large."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False  # unknown: assume the saturating instructions
+    return bool(re.search(r"\b(avx512_vnni|avx_vnni|amx_int8)\b", flags))
+
+
+def int8_weight_max() -> int:
+    """The largest int8 weight magnitude the int8 kernels quantize to: 127 with VNNI; 63 without,
+    so that a u8 activation times a weight, summed in pairs, stays within int16 (255 * 63 * 2 <
+    32767). Measured on an AVX2 CPU without VNNI (evals/quality.py, int8): 8-bit weights
+    saturated to perplexity x1.050; 7-bit weights x1.040; 7-bit activations instead x1.155."""
+    return 127 if has_vnni() else 63
+
+
 def has_amx() -> bool:
     """Whether this CPU has AMX tiles, which oneDNN's bfloat16 GEMM uses."""
     return bool(torch.cpu._is_amx_tile_supported()) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-# oneDNN builds (and caches, up to 1,024) one primitive per input shape: 2-8 ms and about half a
-# megabyte each, per weight shape. A server's row counts (every prefill length plus the decode
-# rows beside it) would build one almost every step and grow resident memory by hundreds of
-# megabytes (evals/soak.py). Rows beyond the decode sizes are padded up to one of eight steps
-# per power of two, at most 1/8 more rows, so a few dozen shapes cover every batch.
-EXACT_ROWS = 64
+# oneDNN builds (and caches, up to 1,024) one primitive per input shape: 2-8 ms and about 0.6 MB
+# each, per weight shape. A server's row counts (every prefill length plus the decode rows beside
+# it) would build one almost every step and grow resident memory by hundreds of megabytes
+# (evals/soak.py). Rows beyond a few decode sizes are padded up to one of eight steps per power
+# of two, at most 1/8 more rows, so a few dozen shapes cover every batch, and `warm_up` builds
+# them all before the first request: resident memory stays flat under any traffic after that.
+EXACT_ROWS = 16
 
 
 def row_bucket(rows: int) -> int:
@@ -94,6 +130,11 @@ def row_bucket(rows: int) -> int:
         return rows
     step = 1 << (rows.bit_length() - 4)
     return -(-rows // step) * step
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Every row count oneDNN is called with for 1 to `max_rows` input rows, ascending."""
+    return sorted({row_bucket(rows) for rows in range(1, max_rows + 1)})
 
 
 def padded_rows(x: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.Tensor:
@@ -151,7 +192,8 @@ class DynamicInt8Linear(nn.Module):
     result would depend on who else is in the batch. Instead each row is divided by its largest
     magnitude, and one extra row [1, -1, 0, ...] pins the range fbgemm sees to exactly [-1, 1]:
     every row gets its own scale and the same quantization alone or in any batch. The row's
-    magnitude multiplies the output back; the pin row's output is dropped.
+    magnitude multiplies the output back; the pin row's output is dropped. Weights use 7 bits
+    on CPUs without VNNI, where 8 would saturate fbgemm's int16 pair sums (int8_weight_max).
     """
 
     pin_row: torch.Tensor
@@ -160,7 +202,7 @@ class DynamicInt8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         weight = weight.float().contiguous()
-        scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-8).double()
+        scales = (weight.abs().amax(dim=1) / int8_weight_max()).clamp(min=1e-8).double()
         zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
         with warnings.catch_warnings():
             # PyTorch warns that quantized tensor types are deprecated; fbgemm's prepacked linear
@@ -188,7 +230,8 @@ class DynamicInt8Linear(nn.Module):
 
 class OneDNNInt8Linear(nn.Module):
     """oneDNN int8 `x @ W.T`, the same quantization as DynamicInt8Linear by another library:
-    per-channel symmetric int8 weights, and each activation row divided by its largest
+    per-channel symmetric int8 weights (7-bit without VNNI, see int8_weight_max), and each
+    activation row divided by its largest
     magnitude and rounded to int8 in [-127, 127], so every row has its own scale and is
     quantized the same alone or in any batch. The products are summed exactly in int32 (AMX
     tiles where the CPU has them) and rescaled to float32, then multiplied by the row's
@@ -201,8 +244,9 @@ class OneDNNInt8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         weight = weight.float().contiguous()
-        self.weight_scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-8)
-        quantized = (weight / self.weight_scales[:, None]).round_().clamp_(-127, 127)
+        top = int8_weight_max()
+        self.weight_scales = (weight.abs().amax(dim=1) / top).clamp(min=1e-8)
+        quantized = (weight / self.weight_scales[:, None]).round_().clamp_(-top, top)
         self.packed = torch.ops.onednn.qlinear_prepack(quantized.to(torch.int8), None)
         self.zero_points = torch.zeros(self.out_features, dtype=torch.long)
 
@@ -217,6 +261,31 @@ class OneDNNInt8Linear(nn.Module):
         real = x.numel() // self.in_features
         out = out[:real].mul_(row_max[:real])
         return out.view(*x.shape[:-1], self.out_features).to(dtype)
+
+
+_ONEDNN_KERNELS = (PackedLinear, BFloat16Linear, OneDNNInt8Linear)
+
+
+@torch.inference_mode()
+def warm_up(model: nn.Module, max_rows: int, dtype: torch.dtype) -> int:
+    """Call each distinct oneDNN kernel shape under `model` once with every row bucket up to
+    `max_rows` rows of `dtype` activations, so that oneDNN has built every primitive a step can
+    ask for; returns the number of calls. oneDNN caches primitives by shape, not by weight, so
+    one module of each (kernel, in, out) stands for all of them. fbgemm keeps no per-shape
+    state, and nothing else here does either."""
+    calls = 0
+    seen: set[tuple[type, int, int]] = set()
+    for module in model.modules():
+        if not isinstance(module, _ONEDNN_KERNELS):
+            continue
+        key = (type(module), module.in_features, module.out_features)
+        if key in seen:
+            continue
+        seen.add(key)
+        for rows in row_buckets(max_rows):  # oneDNN kernels are CPU-only
+            module(torch.zeros(rows, module.in_features, dtype=dtype))
+            calls += 1
+    return calls
 
 
 def int8_linear_class() -> type[nn.Module]:
