@@ -142,19 +142,26 @@ async def test_two_concurrent_generations_interleave_and_match_http(
         assert "session" not in done
 
     # Greedy decoding: the same text and usage as the HTTP endpoints give for the same bodies.
+    # Each runs alone on both sides: under the approximate kernels a sequence's last bits, and
+    # so a near tie between two tokens, can depend on what shares its step (the padding of the
+    # fused attention), so a pair run together is not compared with one run alone.
     def http_body(message: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in message.items() if k not in ("type", "id")}
 
+    alone = {}
+    for message in (chat_message, completion_message):
+        await send(ws, message)
+        alone[message["id"]] = await until_finished(ws, {message["id"]})
     async with httpx.AsyncClient(timeout=RECV_TIMEOUT_S) as client:
         http_chat = await client.post(server.v1 + "/chat/completions", json=http_body(chat_message))
         http_completion = await client.post(
             server.v1 + "/completions", json=http_body(completion_message)
         )
-    assert text_of(messages, "a") == http_chat.json()["choices"][0]["message"]["content"]
+    assert text_of(alone["a"], "a") == http_chat.json()["choices"][0]["message"]["content"]
     ws_usage, http_usage = final(messages, "a")["usage"], http_chat.json()["usage"]
     for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
         assert ws_usage[key] == http_usage[key]
-    assert text_of(messages, "b") == http_completion.json()["choices"][0]["text"]
+    assert text_of(alone["b"], "b") == http_completion.json()["choices"][0]["text"]
 
 
 async def test_n_choices_and_echo_stream_per_choice(ws: ClientConnection) -> None:
