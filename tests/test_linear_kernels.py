@@ -157,7 +157,7 @@ def test_onednn_int8_against_float32() -> None:
 def test_fbgemm_int8_equals_its_integers() -> None:
     """fbgemm's int8 GEMM equals its integers multiplied exactly (float64): the weights as
     packed, the activations as PyTorch quantizes each row divided by its largest magnitude
-    (uint8 over the pinned [-1, 1]). Without VNNI, 8-bit weights saturated fbgemm's int16 pair
+    (uint8 over the fixed [-1, 1]). Without VNNI, 8-bit weights saturated fbgemm's int16 pair
     sums and put outputs off by up to 23 here; 7-bit ones cannot (int8_weight_max)."""
     torch.manual_seed(3)
     weight, x = torch.randn(96, 64), torch.randn(7, 64)

@@ -187,16 +187,19 @@ class BFloat16Linear(nn.Module):
 class DynamicInt8Linear(nn.Module):
     """fbgemm int8 `x @ W.T`: per-channel int8 weights, activations quantized per row per call.
 
-    fbgemm picks one activation scale and zero point from the whole input's min and max, so one
-    row with large values (Gemma's first token) would coarsen every other row, and a request's
-    result would depend on who else is in the batch. Instead each row is divided by its largest
-    magnitude, and one extra row [1, -1, 0, ...] pins the range fbgemm sees to exactly [-1, 1]:
-    every row gets its own scale and the same quantization alone or in any batch. The row's
-    magnitude multiplies the output back; the pin row's output is dropped. Weights use 7 bits
-    on CPUs without VNNI, where 8 would saturate fbgemm's int16 pair sums (int8_weight_max).
+    fbgemm's dynamic quantization picks one activation scale and zero point from the whole
+    input's min and max, so one row with large values (Gemma's first token) would coarsen every
+    other row, and a request's result would depend on who else is in the batch. Instead each row
+    is divided by its largest magnitude and quantized at the fixed range [-1, 1] (uint8, scale
+    2/255, zero point 128): every row gets its own scale and the same quantization alone or in
+    any batch. The row's magnitude multiplies the output back. Weights use 7 bits on CPUs
+    without VNNI, where 8 would saturate fbgemm's int16 pair sums (int8_weight_max).
     """
 
-    pin_row: torch.Tensor
+    # The activations' uint8 quantization once each row lies in [-1, 1]: what fbgemm's own
+    # dynamic choice gives for that range, passed as a fixed one.
+    INPUT_SCALE = 2 / 255
+    INPUT_ZERO_POINT = 128
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -210,22 +213,17 @@ class DynamicInt8Linear(nn.Module):
             warnings.simplefilter("ignore", UserWarning)
             quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
         self.packed = torch.ops.quantized.linear_prepack(quantized, None)
-        pin_row = torch.zeros(1, self.in_features)
-        pin_row[0, :2] = torch.tensor([1.0, -1.0])
-        self.register_buffer("pin_row", pin_row, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Few tensor ops on purpose: at decode sizes each costs about as much as the multiply.
         dtype, rows = x.dtype, x.reshape(-1, self.in_features).float()  # fbgemm is float32
         # abs().amax(): the same values as vector_norm(inf), which measured 6x slower at 16 rows.
         row_max = rows.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
-        # Full 8-bit activations (reduce_range=False): 7 bits cost 10% perplexity here. CPUs with
-        # VNNI sum in int32; older AVX2-only ones can saturate a pair sum in rare cases.
-        out = torch.ops.quantized.linear_dynamic(
-            torch.cat([rows / row_max, self.pin_row]), self.packed, False
+        # Full 8-bit activations: 7 bits cost 10% perplexity here.
+        out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            rows / row_max, self.INPUT_SCALE, self.INPUT_ZERO_POINT, self.packed
         )
-        out = out[:-1].mul_(row_max)
-        return out.view(*x.shape[:-1], self.out_features).to(dtype)
+        return out.mul_(row_max).view(*x.shape[:-1], self.out_features).to(dtype)
 
 
 class OneDNNInt8Linear(nn.Module):
