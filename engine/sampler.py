@@ -71,6 +71,26 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
+        # The probabilities of the drawn rows, kept between calls: a fresh [32, 262144] float32
+        # tensor each step is 32 MiB of new pages (8,192 page faults), which cost more than
+        # the exponentials written into them.
+        self._probs = torch.empty(0)
+
+    def _probs_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A [rows, vocab] scratch tensor of `like`'s dtype and device (contents undefined)."""
+        rows, vocab = like.shape
+        buffer = self._probs
+        if (
+            buffer.shape[1:] != (vocab,)
+            or buffer.shape[0] < rows
+            or buffer.dtype != like.dtype
+            or buffer.device != like.device
+        ):
+            buffer = torch.empty(
+                max(rows, buffer.shape[0]), vocab, dtype=like.dtype, device=like.device
+            )
+            self._probs = buffer
+        return buffer[:rows]
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Sample one token per row of `logits` ([N, vocab]); the caller's tensor is not changed."""
@@ -83,7 +103,7 @@ class Sampler:
         if len(greedy) == len(rows):
             token_ids = _argmax(processed)
         elif not greedy:  # no row copies: at 16 rows of 262,144 logits a copy costs 1 ms
-            token_ids = _draw(processed, rows)
+            token_ids = _draw(processed, rows, self._probs_buffer(processed))
         else:
             token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
             if greedy:
@@ -92,7 +112,10 @@ class Sampler:
             greedy_set = set(greedy)
             drawn = [i for i in range(len(rows)) if i not in greedy_set]
             index = _index(drawn, logits.device)
-            token_ids[index] = _draw(processed[index], [rows[i] for i in drawn])
+            drawn_logits = processed[index]
+            token_ids[index] = _draw(
+                drawn_logits, [rows[i] for i in drawn], self._probs_buffer(drawn_logits)
+            )
 
         ids = token_ids.tolist()
         return SamplerOutput(ids, _logprobs(logits, rows, token_ids, ids))
@@ -199,13 +222,16 @@ def _apply_frequency_presence(out: torch.Tensor, rows: list[tuple[int, SamplingR
     out.index_put_((ur, ut), -presence[ur], accumulate=True)  # once per distinct token
 
 
-def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Random (non-greedy) rows: temperature, top-k, top-p, min-p, then one draw each."""
+def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow], out: torch.Tensor) -> torch.Tensor:
+    """Random (non-greedy) rows: temperature, top-k, top-p, min-p, then one draw each. `out`
+    ([rows, vocab] like `logits`) receives the probabilities."""
     device = logits.device
     if any(r.params.temperature != 1.0 for r in rows):
         temperature = [[r.params.temperature] for r in rows]
-        logits = logits / torch.tensor(temperature, dtype=logits.dtype, device=device)
-    probs = torch.softmax(logits, dim=-1)
+        logits = torch.div(
+            logits, torch.tensor(temperature, dtype=logits.dtype, device=device), out=out
+        )
+    probs = torch.softmax(logits, dim=-1, out=out)  # in place when divided into `out` above
     u = torch.tensor(_uniforms(rows), dtype=_uniform_dtype(device), device=device)
     params = [r.params for r in rows]
 
@@ -231,7 +257,8 @@ def _draw_from_vocabulary(
     """Rows without top-k and top-p: min-p, then a draw over the whole vocabulary."""
     if any(p.min_p > 0.0 for p in params):
         min_p = torch.tensor([[p.min_p] for p in params], dtype=probs.dtype, device=probs.device)
-        probs = torch.where(probs >= min_p * probs.max(dim=-1, keepdim=True).values, probs, 0.0)
+        # In place: `probs` is the sampler's scratch (or a copy of some of its rows).
+        probs.masked_fill_(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     return _inverse_cdf(probs, u)
 
 

@@ -19,6 +19,7 @@ from engine.backends.custom import CustomBackend
 from engine.backends.hf import HFBackend
 from engine.model.architecture import architecture_from_config
 from engine.model.linear_kernels import (
+    BFloat16GatedMLP,
     DynamicInt8Linear,
     int8_linear_class,
     make_linear,
@@ -166,27 +167,47 @@ def test_batch_of_different_lengths_matches_each_alone(setup):
 
 @pytest.mark.parametrize("kernel", ["packed", bf16_param("bf16"), "int8"])
 def test_fused_projections_compute_what_separate_ones_do(setup, kernel):
-    """The approximate kernels run q/k(/v) and gate/up as one linear each: on k=v, KV-shared and
-    double-wide layers alike, the logits equal those of the same kernel on separate linears
-    (bit for bit in fbgemm's int8, whose per-channel rows quantize alike; to float rounding in
-    packed and in oneDNN's int8, whose rescale to float32 depends on the GEMM's shape; and to
-    bfloat16 rounding in bf16, whose outputs are rounded after a GEMM whose blocking depends on
-    the output width)."""
+    """The approximate kernels run q/k(/v) and gate/up as one linear each (bf16: the whole MLP as
+    one module, gelu and product inside its GEMMs): on k=v, KV-shared and double-wide layers
+    alike, fed the same tokens, the logits equal those of the same kernel on separate linears:
+    bit for bit in fbgemm's int8, whose per-channel rows quantize alike; to float rounding in
+    packed and in oneDNN's int8, whose rescale to float32 depends on the GEMM's shape. In bf16
+    the fused MLP rounds at other places (its gelu sees float32 sums), so both are held to
+    float32 instead: each step within 5% of it, the fused no further on average than the
+    separate linears (both measured 1.5% here)."""
     _, config, _, weights = setup
     fused = CustomBackend(config, weights, CPU, torch.float32, 256, kernel)
-    assert all(layer.mlp.gate_up_proj is not None for layer in fused.model.model.layers)
+    mlps = [layer.mlp for layer in fused.model.model.layers]
+    if kernel == "bf16":
+        assert all(isinstance(mlp.fused, BFloat16GatedMLP) for mlp in mlps)
+    else:
+        assert all(mlp.gate_up_proj is not None for mlp in mlps)
     separate = CustomBackend(config, weights, CPU, torch.float32, 256)
     quantize_model(separate.model.model, kernel)
     separate.model.fast_head = make_linear(kernel, separate.model.lm_head_weight)
     separate.exact = False  # the same (fused) attention as the approximate kernels run
     tokens = prompt(15, seed=7, vocab=config.vocab_size)
-    fused_logits = engine_greedy(PagedDriver(fused), {0: tokens}, 8)[0]
-    separate_logits = engine_greedy(PagedDriver(separate), {0: tokens}, 8)[0]
+    # The same continuation fed to each: greedy paths would part at the first near-tie.
+    continuation = prompt(8, seed=8, vocab=config.vocab_size)
+
+    def forced(backend: CustomBackend) -> list[torch.Tensor]:
+        driver = PagedDriver(backend)
+        return [driver.step({0: ids})[0][0][-1] for ids in [tokens, *([t] for t in continuation)]]
+
+    fused_logits, separate_logits = forced(fused), forced(separate)
+    if kernel == "bf16":
+        exact = forced(CustomBackend(config, weights, CPU, torch.float32, 256))
+
+        def errors(logits: list[torch.Tensor]) -> list[float]:
+            return [((a - e).norm() / e.norm()).item() for a, e in zip(logits, exact, strict=True)]
+
+        fused_errors, separate_errors = errors(fused_logits), errors(separate_logits)
+        assert max(fused_errors + separate_errors) < 0.05
+        assert sum(fused_errors) <= 1.25 * sum(separate_errors), (fused_errors, separate_errors)
+        return
     for a, b in zip(fused_logits, separate_logits, strict=True):
         if kernel == "int8" and int8_linear_class() is DynamicInt8Linear:
             assert torch.equal(a, b)
-        elif kernel == "bf16":
-            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
         else:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 

@@ -27,7 +27,12 @@ from engine.model.architecture import (
     LayerSpec,
     architecture_from_config,
 )
-from engine.model.linear_kernels import body_and_head, make_linear, quantize_model
+from engine.model.linear_kernels import (
+    BFloat16GatedMLP,
+    body_and_head,
+    make_linear,
+    quantize_model,
+)
 from engine.model.paged_attention import PagedAttentionStep
 
 
@@ -162,15 +167,26 @@ class MLP(nn.Module):
         self.gate_proj = _linear(config.hidden_size, intermediate_size)
         self.up_proj = _linear(config.hidden_size, intermediate_size)
         self.down_proj = _linear(intermediate_size, config.hidden_size)
-        self.gate_up_proj: nn.Module | None = None  # set by fuse_projections()
+        # Set by fuse_projections(): gate and up as one call, or the whole MLP as one module.
+        self.gate_up_proj: nn.Module | None = None
+        self.fused: BFloat16GatedMLP | None = None
 
     def fuse_projections(self, kernel: str) -> None:
-        """gate_proj and up_proj as one `kernel` linear (see Attention.fuse_projections)."""
+        """gate_proj and up_proj as one `kernel` linear (see Attention.fuse_projections); under
+        bf16 the whole MLP as one BFloat16GatedMLP, the gelu and product inside its GEMMs."""
+        if kernel == "bf16":
+            self.fused = BFloat16GatedMLP(
+                self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+            )
+            del self.gate_proj, self.up_proj, self.down_proj
+            return
         weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
         self.gate_up_proj = make_linear(kernel, weight)
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused(x)
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:

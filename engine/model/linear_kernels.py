@@ -184,6 +184,36 @@ class BFloat16Linear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+class BFloat16GatedMLP(nn.Module):
+    """Gemma's whole GeGLU MLP, down(gelu_tanh(gate(x)) * up(x)), as three oneDNN bfloat16
+    GEMMs with the elementwise work fused into them: the gate GEMM applies gelu-tanh to its
+    float32 sums before rounding (an eltwise post-op), the up GEMM multiplies its sums by that
+    activation (a binary post-op), and the product goes to the down GEMM in bfloat16. The
+    activations stay bfloat16 from the input to the output, instead of a float32 round trip
+    around the gelu and the product. Rounding differs from BFloat16Linear's (the gelu sees the
+    gate's float32 sums, not their bfloat16 rounding); tests/test_linear_kernels.py bounds it,
+    and README "Measured performance" has the speed.
+    """
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        super().__init__()
+        self.in_features, self.out_features = gate.shape[1], gate.shape[0]  # the warm_up key
+        self.hidden_features = down.shape[0]
+        self.gate, self.up, self.down = (
+            torch.ops.mkldnn._reorder_linear_weight(w.bfloat16().contiguous())
+            for w in (gate, up, down)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = padded_rows(x, self.in_features, torch.bfloat16)
+        linear = torch.ops.mkldnn._linear_pointwise
+        activation = linear(rows, self.gate, None, "gelu", [], "tanh")
+        product = linear.binary(rows, activation, self.up, None, "mul")
+        out = linear(product, self.down, None, "none", [], "")
+        out = out[: x.numel() // self.in_features].to(x.dtype)
+        return out.view(*x.shape[:-1], self.hidden_features)
+
+
 class DynamicInt8Linear(nn.Module):
     """fbgemm int8 `x @ W.T`: per-channel int8 weights, activations quantized per row per call.
 
@@ -261,7 +291,7 @@ class OneDNNInt8Linear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features).to(dtype)
 
 
-_ONEDNN_KERNELS = (PackedLinear, BFloat16Linear, OneDNNInt8Linear)
+_ONEDNN_KERNELS = (PackedLinear, BFloat16Linear, BFloat16GatedMLP, OneDNNInt8Linear)
 
 
 @torch.inference_mode()
