@@ -12,12 +12,18 @@ timed in turns: each round calls every kernel once per shape and row count, in a
 order, and the figure is each one's median over the rounds. Ratios within a row of the table
 are what to read.
 
+Then Gemma's MLP in bf16 two ways, through 18 layers in shuffled turns at decode and prefill
+row counts: as the server runs it (BFloat16GatedMLP: gelu-tanh and the gate*up product fused
+into oneDNN's GEMMs, bfloat16 throughout) and as separate bf16 linears (fused gate/up, down)
+with the gelu and product in float32 between them.
+
 Then prefill-sized batches of changing size: one layer's four bf16 linears called at
 `--prefill-calls` random row counts of 65-600, with the rows padded to linear_kernels'
 row_bucket (what the server does) and at their exact count. oneDNN builds a primitive per
 input shape, so the second pays that build on nearly every call.
 
-    python -m evals.bench_kernels [--rows 1 16 32] [--rounds 20] [--prefill-calls 300]
+    python -m evals.bench_kernels [--rows 1 16 32] [--mlp-rows 1 16 32 512] [--rounds 20]
+        [--prefill-calls 300]
 """
 
 from __future__ import annotations
@@ -32,11 +38,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.linear_kernels import (
+    BFloat16GatedMLP,
     BFloat16Linear,
     DynamicInt8Linear,
     OneDNNInt8Linear,
     PackedLinear,
     has_amx,
+    has_bf16,
     int8_linear_class,
 )
 from evals.harness import write_results
@@ -61,6 +69,38 @@ KERNELS: dict[str, Callable[[torch.Tensor], Call]] = {
 }
 
 
+def mlp_fusion_ms(rows_counts: list[int], rounds: int) -> dict[str, dict[int, float]]:
+    """Median ms per layer of Gemma's bf16 MLP, fused (BFloat16GatedMLP) and unfused (bf16
+    gate/up and down linears, gelu and product in float32), over `rows_counts` input rows."""
+    layers = []
+    for _ in range(LAYERS):
+        gate, up = (torch.randn(INTERMEDIATE, HIDDEN) * 0.02 for _ in range(2))
+        down = torch.randn(HIDDEN, INTERMEDIATE) * 0.02
+        gate_up, down_proj = BFloat16Linear(torch.cat([gate, up])), BFloat16Linear(down)
+
+        def unfused(x: torch.Tensor, gate_up=gate_up, down_proj=down_proj) -> torch.Tensor:
+            g, u = gate_up(x).chunk(2, dim=-1)
+            return down_proj(F.gelu(g, approximate="tanh") * u)
+
+        layers.append({"unfused": unfused, "fused": BFloat16GatedMLP(gate, up, down)})
+    inputs = {rows: torch.randn(rows, HIDDEN) for rows in rows_counts}
+    order = [(way, rows) for way in ("unfused", "fused") for rows in rows_counts]
+    times: dict[tuple[str, int], list[float]] = {}
+    rng = random.Random(1)
+    for round_index in range(rounds + 2):  # the first two rounds warm up
+        rng.shuffle(order)
+        for way, rows in order:
+            start = time.perf_counter()
+            for layer in layers:
+                layer[way](inputs[rows])
+            if round_index >= 2:
+                times.setdefault((way, rows), []).append((time.perf_counter() - start) / LAYERS)
+    return {
+        way: {rows: 1000 * statistics.median(times[way, rows]) for rows in rows_counts}
+        for way in ("unfused", "fused")
+    }
+
+
 def prefill_rows_seconds(calls: int, bucketed: bool) -> float:
     """Seconds for `calls` random row counts of 65-600 through one layer's bf16 linears. oneDNN
     caches primitives by shape for the whole process: run the padded case first, so that the
@@ -83,6 +123,7 @@ def prefill_rows_seconds(calls: int, bucketed: bool) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32])
+    parser.add_argument("--mlp-rows", type=int, nargs="+", default=[1, 16, 32, 512])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--prefill-calls", type=int, default=300)
     args = parser.parse_args()
@@ -135,6 +176,10 @@ def main() -> None:
     int8_library = int8_linear_class().__name__
     print(f"AMX: {has_amx()}; int8 runs {int8_library}; {torch.get_num_threads()} threads")
     print(markdown)
+    mlp_ms = mlp_fusion_ms(args.mlp_rows, args.rounds) if has_bf16() else {}
+    for way, by_rows in mlp_ms.items():
+        cells = ", ".join(f"{rows} rows {ms:.3f}" for rows, ms in by_rows.items())
+        print(f"bf16 MLP {way}, ms per layer: {cells}")
     prefill_s = {
         "row_bucket": prefill_rows_seconds(args.prefill_calls, bucketed=True),
         "exact rows": prefill_rows_seconds(args.prefill_calls, bucketed=False),
@@ -149,6 +194,7 @@ def main() -> None:
         {"rows": args.rows, "rounds": args.rounds, "amx": has_amx(), "int8": int8_library,
          "ms": {k: {part: {str(r): v for r, v in rows.items()} for part, rows in parts.items()}
                 for k, parts in table.items()},
+         "mlp_ms": {way: {str(r): v for r, v in rows.items()} for way, rows in mlp_ms.items()},
          "prefill_rows_s": prefill_s, "markdown": markdown},
     )  # fmt: skip
     print(f"wrote {path}")

@@ -37,7 +37,13 @@ from tqdm import tqdm
 
 from engine.backends import create_backend
 from engine.model.batch import ForwardBatch, GroupAttention
-from engine.model.linear_kernels import body_and_head, kernel_for, make_linear, quantize_model
+from engine.model.linear_kernels import (
+    BFloat16GatedMLP,
+    body_and_head,
+    kernel_for,
+    make_linear,
+    quantize_model,
+)
 from engine.model.loader import EMBEDDED_MODEL, LoadedModel, embedded_gguf_path, load_model
 from engine.offline import LLM
 from engine.runner import ModelRunner
@@ -61,6 +67,12 @@ def perplexity(loaded: LoadedModel, kernel: str, tokens: list[int], context: int
     """llama-perplexity's estimate: chunks of `context` tokens, BOS first, second half scored."""
     model = hf_reference_model(loaded)
     body, head = body_and_head(kernel)
+    if body == "bf16":  # each MLP one fused module, as the loader builds it (engine.model.gemma)
+        for layer in model.model.layers:
+            mlp = layer.mlp
+            layer.mlp = BFloat16GatedMLP(
+                mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+            )
     quantize_model(model.model, body)
     if head != "exact":
         model.lm_head = make_linear(head, model.lm_head.weight)

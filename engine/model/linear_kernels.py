@@ -8,7 +8,8 @@ Ways to run `x @ W.T`, chosen by timing the kernels PyTorch offers on the CPU at
   differ from `exact` in the last bits.
 - `bf16`: the weights rounded to bfloat16 once, through oneDNN (CPU only): AMX tiles where the
   CPU has them. Activations are rounded to bfloat16 per call; everything between the linear
-  layers stays float32. Approximate: `evals/quality.py` measures what it costs.
+  layers stays float32, except inside each MLP (BFloat16GatedMLP), whose gelu and product are
+  fused into its GEMMs in bfloat16. Approximate: `evals/quality.py` measures what it costs.
 - `int8`: dynamic quantization (CPU only). Weights are int8 with one scale per output channel;
   each call quantizes the activations to int8 with one scale per row, multiplies in integers,
   and rescales to float32. oneDNN runs it on CPUs with AMX tiles, fbgemm elsewhere (each
