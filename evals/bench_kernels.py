@@ -32,7 +32,8 @@ import argparse
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,7 @@ SHAPES = {  # (out_features, in_features)
     "down_proj": (HIDDEN, INTERMEDIATE),
 }
 Call = Callable[[torch.Tensor], torch.Tensor]
+Key = TypeVar("Key", bound=Hashable)
 # Both int8 libraries, whichever `int8` picks on this CPU (int8_linear_class).
 KERNELS: dict[str, Callable[[torch.Tensor], Call]] = {
     "exact (float32 F.linear)": lambda w: lambda x: F.linear(x, w),
@@ -69,10 +71,31 @@ KERNELS: dict[str, Callable[[torch.Tensor], Call]] = {
 }
 
 
+def median_ms_in_turns(
+    runs: dict[Key, tuple[list[Call], torch.Tensor]], rounds: int, seed: int
+) -> dict[Key, float]:
+    """Per entry, the median ms of one call: each entry's calls (one per layer, or one) run on
+    its input, every entry once per round in a shuffled order, over `rounds` rounds after two
+    to warm up."""
+    times: dict[Key, list[float]] = {key: [] for key in runs}
+    order = list(runs)
+    rng = random.Random(seed)
+    for round_index in range(rounds + 2):
+        rng.shuffle(order)
+        for key in order:
+            copies, x = runs[key]
+            start = time.perf_counter()
+            for call in copies:
+                call(x)
+            if round_index >= 2:
+                times[key].append((time.perf_counter() - start) / len(copies))
+    return {key: 1000 * statistics.median(values) for key, values in times.items()}
+
+
 def mlp_fusion_ms(rows_counts: list[int], rounds: int) -> dict[str, dict[int, float]]:
     """Median ms per layer of Gemma's bf16 MLP, fused (BFloat16GatedMLP) and unfused (bf16
     gate/up and down linears, gelu and product in float32), over `rows_counts` input rows."""
-    layers = []
+    layers: dict[str, list[Call]] = {"unfused": [], "fused": []}
     for _ in range(LAYERS):
         gate, up = (torch.randn(INTERMEDIATE, HIDDEN) * 0.02 for _ in range(2))
         down = torch.randn(HIDDEN, INTERMEDIATE) * 0.02
@@ -82,23 +105,12 @@ def mlp_fusion_ms(rows_counts: list[int], rounds: int) -> dict[str, dict[int, fl
             g, u = gate_up(x).chunk(2, dim=-1)
             return down_proj(F.gelu(g, approximate="tanh") * u)
 
-        layers.append({"unfused": unfused, "fused": BFloat16GatedMLP(gate, up, down)})
+        layers["unfused"].append(unfused)
+        layers["fused"].append(BFloat16GatedMLP(gate, up, down))
     inputs = {rows: torch.randn(rows, HIDDEN) for rows in rows_counts}
-    order = [(way, rows) for way in ("unfused", "fused") for rows in rows_counts]
-    times: dict[tuple[str, int], list[float]] = {}
-    rng = random.Random(1)
-    for round_index in range(rounds + 2):  # the first two rounds warm up
-        rng.shuffle(order)
-        for way, rows in order:
-            start = time.perf_counter()
-            for layer in layers:
-                layer[way](inputs[rows])
-            if round_index >= 2:
-                times.setdefault((way, rows), []).append((time.perf_counter() - start) / LAYERS)
-    return {
-        way: {rows: 1000 * statistics.median(times[way, rows]) for rows in rows_counts}
-        for way in ("unfused", "fused")
-    }
+    runs = {(way, rows): (layers[way], inputs[rows]) for way in layers for rows in rows_counts}
+    median_ms = median_ms_in_turns(runs, rounds, seed=1)
+    return {way: {rows: median_ms[way, rows] for rows in rows_counts} for way in layers}
 
 
 def prefill_rows_seconds(calls: int, bucketed: bool) -> float:
@@ -140,20 +152,12 @@ def main() -> None:
         for shape, (_, in_features) in SHAPES.items()
         for rows in args.rows
     }
-    times: dict[tuple[str, str, int], list[float]] = {}
-    order = [(shape, kernel, rows) for (shape, kernel) in calls for rows in args.rows]
-    rng = random.Random(0)
-    for round_index in range(args.rounds + 2):  # the first two rounds warm up
-        rng.shuffle(order)
-        for shape, kernel, rows in order:
-            x, copies = inputs[shape, rows], calls[shape, kernel]
-            start = time.perf_counter()
-            for call in copies:
-                call(x)
-            elapsed = (time.perf_counter() - start) / len(copies)
-            if round_index >= 2:
-                times.setdefault((shape, kernel, rows), []).append(elapsed)
-    median_ms = {key: 1000 * statistics.median(values) for key, values in times.items()}
+    runs = {
+        (shape, kernel, rows): (copies, inputs[shape, rows])
+        for (shape, kernel), copies in calls.items()
+        for rows in args.rows
+    }
+    median_ms = median_ms_in_turns(runs, args.rounds, seed=0)
 
     layer_shapes = [shape for shape in SHAPES if shape != "lm_head"]
     table: dict[str, dict[str, dict[int, float]]] = {}
@@ -178,8 +182,8 @@ def main() -> None:
     print(markdown)
     mlp_ms = mlp_fusion_ms(args.mlp_rows, args.rounds) if has_bf16() else {}
     for way, by_rows in mlp_ms.items():
-        cells = ", ".join(f"{rows} rows {ms:.3f}" for rows, ms in by_rows.items())
-        print(f"bf16 MLP {way}, ms per layer: {cells}")
+        timings = ", ".join(f"{rows} rows {ms:.3f}" for rows, ms in by_rows.items())
+        print(f"bf16 MLP {way}, ms per layer: {timings}")
     prefill_s = {
         "row_bucket": prefill_rows_seconds(args.prefill_calls, bucketed=True),
         "exact rows": prefill_rows_seconds(args.prefill_calls, bucketed=False),
