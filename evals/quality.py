@@ -38,9 +38,9 @@ from tqdm import tqdm
 from engine.backends import create_backend
 from engine.model.batch import ForwardBatch, GroupAttention
 from engine.model.linear_kernels import (
-    BFloat16GatedMLP,
     body_and_head,
     kernel_for,
+    make_fused_mlp,
     make_linear,
     quantize_model,
 )
@@ -67,12 +67,11 @@ def perplexity(loaded: LoadedModel, kernel: str, tokens: list[int], context: int
     """llama-perplexity's estimate: chunks of `context` tokens, BOS first, second half scored."""
     model = hf_reference_model(loaded)
     body, head = body_and_head(kernel)
-    if body == "bf16":  # each MLP one fused module, as the loader builds it (engine.model.gemma)
-        for layer in model.model.layers:
-            mlp = layer.mlp
-            layer.mlp = BFloat16GatedMLP(
-                mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
-            )
+    for layer in model.model.layers:  # each MLP one module where the loader makes one
+        mlp = layer.mlp
+        fused = make_fused_mlp(body, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        if fused is not None:
+            layer.mlp = fused
     quantize_model(model.model, body)
     if head != "exact":
         model.lm_head = make_linear(head, model.lm_head.weight)

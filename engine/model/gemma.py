@@ -30,6 +30,7 @@ from engine.model.architecture import (
 from engine.model.linear_kernels import (
     BFloat16GatedMLP,
     body_and_head,
+    make_fused_mlp,
     make_linear,
     quantize_model,
 )
@@ -174,10 +175,10 @@ class MLP(nn.Module):
     def fuse_projections(self, kernel: str) -> None:
         """gate_proj and up_proj as one `kernel` linear (see Attention.fuse_projections); under
         bf16 the whole MLP as one BFloat16GatedMLP, the gelu and product inside its GEMMs."""
-        if kernel == "bf16":
-            self.fused = BFloat16GatedMLP(
-                self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
-            )
+        self.fused = make_fused_mlp(
+            kernel, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+        )
+        if self.fused is not None:
             del self.gate_proj, self.up_proj, self.down_proj
             return
         weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])

@@ -336,6 +336,14 @@ def make_linear(kernel: str, weight: torch.Tensor) -> nn.Module:
     return _KERNELS[kernel](weight)
 
 
+def make_fused_mlp(
+    kernel: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+) -> BFloat16GatedMLP | None:
+    """Gemma's whole MLP as one `kernel` module where that kernel has one (bf16:
+    BFloat16GatedMLP), else None: its linears then run one by one."""
+    return BFloat16GatedMLP(gate, up, down) if kernel == "bf16" else None
+
+
 def quantize_model(model: nn.Module, kernel: str) -> None:
     """Replace every bias-free `nn.Linear` under `model` with `kernel`'s module, in place."""
     if kernel == "exact":
