@@ -203,6 +203,41 @@ def test_vtc_gives_the_step_budget_to_the_least_served_tenant_before_running_pre
     ]
 
 
+def test_vtc_prefills_a_tenants_two_short_prompts_before_anothers_long_one():
+    # H's 40-token prompt is prefilled 8 tokens a step; L then sends two 3-token prompts at
+    # once, lifted to H's counter (8). Finish tags: L's first 8 + 3, H's 8 + 32. Once L's
+    # first is charged (L at 11) its second's tag is 14, still below H's 40: both go in this
+    # step. (Ranked by counter alone, H at 8 would take the rest and L's second would wait.)
+    sched = make_scheduler(policy="vtc", max_num_batched_tokens=8, max_num_seqs=4)
+    heavy = make_seq(40, max_tokens=2, tenant="H")
+    sched.add(heavy)
+    run_step(sched)
+    first, second = make_seq(3, max_tokens=1, tenant="L"), make_seq(3, max_tokens=1, tenant="L")
+    sched.add(first)
+    sched.add(second)
+    assert plan(run_step(sched)) == [
+        (first.seq_id, 0, 3, True),
+        (second.seq_id, 0, 3, True),
+        (heavy.seq_id, 8, 2, False),
+    ]
+    # L: lifted to 8, then 2 x (3 prompt tokens + one sampled token at w_q = 2).
+    assert sched.policy.counters() == {"H": 10.0, "L": 18.0}
+
+
+def test_vtc_finish_tag_and_selection_by_it():
+    vtc = VtcPolicy(TokenCost(prompt_weight=2.0, output_weight=1.0))
+    long_a, short_b = make_seq(30, tenant="A"), make_seq(4, tenant="B")
+    vtc.charge("B", 40, 0)  # B is ahead on the counter (80 against 0) ...
+    assert vtc.finish_tag(long_a) == 60.0 and vtc.finish_tag(short_b) == 88.0
+    assert vtc.select([short_b, long_a]) is long_a
+    vtc.charge("A", 15, 0)  # ... until A's long prompt would finish past B's short one
+    assert vtc.finish_tag(long_a) == 90.0
+    assert vtc.select([long_a, short_b]) is short_b
+    long_a.num_computed_tokens = 20  # the computed part of a prompt no longer counts
+    assert vtc.finish_tag(long_a) == 50.0
+    assert vtc.prefill_rank(long_a) == (50.0, 10)
+
+
 def test_fcfs_prefills_running_prompts_before_admitting_anyone():
     plans, h, light = prefill_trace("fcfs")
     assert plans == [

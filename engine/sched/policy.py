@@ -9,8 +9,8 @@ accounting it needs. Policies are chosen by name (`make_policy`):
 - "priority": the most urgent first (lowest `Sequence.priority`), then queue order.
 - "vtc":      the Virtual Token Counter of Sheng et al., "Fairness in Serving Large Language
               Models" (OSDI 2024), Algorithm 2: admit and prefill for the backlogged tenant
-              with the smallest counter; within that tenant, most urgent priority first, then
-              queue order.
+              with the smallest counter once the request is served (its finish tag); within
+              a tenant, most urgent priority first, then queue order.
 """
 
 from __future__ import annotations
@@ -108,11 +108,20 @@ class VtcPolicy(Policy):
     output token as they are served. The paper's queue Q holds requests not yet prefilled;
     its server prefills a prompt whole on admission. Ours prefills in chunks under a step
     budget, so Q here is every sequence still waiting for prefill tokens: the waiting queue
-    and the running sequences whose prompt is not all computed. The step's prefill tokens go
-    to the tenant with the smallest counter among those in Q (`prefill_rank`; a chunk is a
-    piece of the paper's admission), and admission from the waiting queue picks that tenant
-    too (ties: the tenant whose request is nearest the head), then its most urgent request
-    (priority, then queue order).
+    and the running sequences whose prompt is not all computed.
+
+    Which request in Q gets the step's prefill tokens (`prefill_rank`; a chunk is a piece of
+    the paper's admission) and which is admitted from the waiting queue (`select`): the one
+    with the smallest virtual finish tag, its tenant's counter plus the cost of the prompt
+    tokens it still waits for (`finish_tag`), each tenant represented by its most urgent
+    request (priority, then queue order); ties go to the tenant nearest the head. The paper
+    ranks by the counter alone (a start tag). The counters, and so every tenant's share, are
+    the same either way; what the finish tag changes is the order within that share, as
+    weighted fair queueing does: a short prompt is not queued behind another tenant's long one
+    that would finish later anyway, so two short prompts a tenant sends together are both
+    prefilled in the next step instead of the second waiting until everyone else's counter
+    has passed the first's charge. A long prompt finishes when its tenant's counter reaches
+    its tag either way.
 
     Counter lift, as in the paper's monitoring stream: when a request of u arrives and u has
     no request in Q,
@@ -151,17 +160,27 @@ class VtcPolicy(Policy):
             floor = min(self.counter(other.tenant) for other in queued)
             self._counters[tenant] = max(current, floor)
 
+    def finish_tag(self, seq: Sequence) -> float:
+        """seq's tenant's counter once the rest of seq's prompt is charged: c_u + w_p * the
+        prompt tokens not computed yet (prefix-cache hits, unknown before admission, count)."""
+        rest = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+        return self.counter(seq.tenant) + self.cost(rest, 0)
+
     def select(self, waiting: SequenceOf[Sequence]) -> Sequence:
-        # Tenants in order of their first request in the queue, so ties go to the head.
-        tenants = list(dict.fromkeys(seq.tenant for seq in waiting))
-        tenant = min(tenants, key=self.counter)
-        return min((seq for seq in waiting if seq.tenant == tenant), key=lambda seq: seq.priority)
+        # Each tenant's most urgent request, tenants in order of their first request in the
+        # queue, so that min() gives ties to the head.
+        candidates: dict[str, Sequence] = {}
+        for seq in waiting:
+            best = candidates.get(seq.tenant)
+            if best is None or seq.priority < best.priority:
+                candidates[seq.tenant] = seq
+        return min(candidates.values(), key=self.finish_tag)
 
     def prefill_rank(self, seq: Sequence) -> tuple[float, int]:
-        """The tenant's counter: prefill chunks, like admissions, go to the tenant in Q
-        served least so far. On equal counters (a tenant lifted on arrival ties with the
-        least served one) the shorter rest of a prompt goes first: it leaves Q sooner."""
-        return (self.counter(seq.tenant), seq.num_tokens - seq.num_computed_tokens)
+        """The finish tag: prefill chunks, like admissions, go to the request in Q whose
+        tenant's counter is smallest once that request's prompt is served. On equal tags the
+        shorter rest of a prompt goes first: it leaves Q sooner."""
+        return (self.finish_tag(seq), seq.num_tokens - seq.num_computed_tokens)
 
     def on_prefilled(self, seq: Sequence) -> None:
         self._last_left = seq.tenant

@@ -82,9 +82,10 @@ class Scheduler:
          chunks, one sequence at a time, each getting as much as is left. The candidates are
          the running sequences still prefilling and, while fewer than max_num_seqs run, the
          policy's pick from the waiting queue (admitted with its first chunk). The policy's
-         prefill rank chooses among them (vtc: the tenant with the smallest counter, charged
-         as chunks are given out; fcfs and priority rank all alike), then running sequences
-         before admissions, most urgent first. When the policy's pick does not fit the KV
+         prefill rank chooses among them (vtc: the smallest finish tag, the tenant's
+         counter plus the rest of the prompt, counters charged as chunks are given out; fcfs
+         and priority rank all alike), then running sequences before admissions, most
+         urgent first. When the policy's pick does not fit the KV
          cache, admission stops for this step, so a large request is not starved by smaller
          ones.
     A long prompt is thus prefilled over several steps and never delays anyone's next token.
@@ -372,8 +373,8 @@ class Scheduler:
     def _next_prefill(self, pending: dict[int, Sequence], admitting: bool) -> Sequence | None:
         """Who gets the step's next prefill tokens: a running sequence still prefilling, or the
         policy's pick from the waiting queue while a batch slot is free and admission is open.
-        The policy's prefill rank decides first (vtc: the tenant with the smallest counter, so
-        an under-served tenant's prompt is not queued behind others' long prompts); on a tie,
+        The policy's prefill rank decides first (vtc: the smallest finish tag, so an
+        under-served tenant's prompt is not queued behind others' long prompts); on a tie,
         running sequences before admissions, each most urgent first."""
         candidates = [s for s in pending.values() if _prefilling(s)]
         if admitting and self.waiting and len(self.running) < self.config.max_num_seqs:
