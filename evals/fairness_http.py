@@ -8,8 +8,8 @@ Tenants are API keys (`API_KEYS`, sent as `Authorization: Bearer <key>`):
 Prompt lengths and max_tokens are drawn from ranges (random token ids, so no prefix-cache
 hits). Every stream fits in the batch (`MAX_BATCH_SIZE` 32); the step's token budget
 (`MAX_NUM_BATCHED_TOKENS` 64) is what the tenants compete for: the prompts of heavy and late
-queue for prefill tokens, which the policy hands out (fcfs: oldest first; vtc: the tenant with
-the smallest counter first).
+queue for prefill tokens, which the policy hands out (fcfs: oldest first; vtc: the smallest
+finish tag, the tenant's counter plus the rest of the prompt, first).
 
 Reported, per policy: service over time per tenant (weighted tokens w_p * prompt + w_q *
 output per time bucket, read from the server's per-tenant ledger in /api/metrics, the VTC
