@@ -115,13 +115,13 @@ class VtcPolicy(Policy):
     with the smallest virtual finish tag, its tenant's counter plus the cost of the prompt
     tokens it still waits for (`finish_tag`), each tenant represented by its most urgent
     request (priority, then queue order); ties go to the tenant nearest the head. The paper
-    ranks by the counter alone (a start tag). The counters, and so every tenant's share, are
-    the same either way; what the finish tag changes is the order within that share, as
-    weighted fair queueing does: a short prompt is not queued behind another tenant's long one
-    that would finish later anyway, so two short prompts a tenant sends together are both
-    prefilled in the next step instead of the second waiting until everyone else's counter
-    has passed the first's charge. A long prompt finishes when its tenant's counter reaches
-    its tag either way.
+    ranks by the counter alone (a start tag). Counters are charged as before; the finish tag
+    changes the order, as weighted fair queueing does: a short prompt is not queued behind
+    another tenant's long one that would finish later anyway, so two short prompts a tenant
+    sends together are both prefilled in the next step instead of the second waiting until
+    everyone else's counter has passed the first's charge. The price: a tenant may be served
+    while its counter is above a backlogged one's by up to that one's remaining prompt cost
+    (at most w_p * L_input <= U), so the paper's worst-case gap 2U becomes 3U.
 
     Counter lift, as in the paper's monitoring stream: when a request of u arrives and u has
     no request in Q,

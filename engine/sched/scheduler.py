@@ -85,9 +85,8 @@ class Scheduler:
          prefill rank chooses among them (vtc: the smallest finish tag, the tenant's
          counter plus the rest of the prompt, counters charged as chunks are given out; fcfs
          and priority rank all alike), then running sequences before admissions, most
-         urgent first. When the policy's pick does not fit the KV
-         cache, admission stops for this step, so a large request is not starved by smaller
-         ones.
+         urgent first. When the policy's pick does not fit the KV cache, admission stops
+         for this step, so a large request is not starved by smaller ones.
     A long prompt is thus prefilled over several steps and never delays anyone's next token.
 
     Preemption rule: a running sequence's prefill chunk shrinks to the KV blocks free; when
