@@ -4,8 +4,9 @@
 through a local Ray Serve instance (deploy/ray_serve.py; needs `ray[serve]`), until SIGINT or
 SIGTERM; `--replicas 1` is one replica behind the same proxy and router.
 
-`python -m app prepare` converts or downloads MODEL_NAME into the local cache and exits, so a
-first server start (or a test's readiness wait) does not include that one-time work.
+`python -m app prepare` converts or downloads MODEL_NAME into the local cache, builds the fused
+CPU kernels (engine/model/cpu_ops.py) on a CPU device, and exits, so a first server start (or a
+test's readiness wait) does not include that one-time work.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import uvicorn
 from app.logging import configure_logging
 from app.main import create_app
 from app.settings import load_settings
+from engine.device import resolve_device
+from engine.model import cpu_ops
 from engine.model.loader import prepare_model
 
 
@@ -76,12 +79,15 @@ def prepare() -> None:
     configure_logging(settings.LOG_FORMAT)
     started = time.perf_counter()
     model_id, directory = prepare_model(settings.MODEL_NAME)
-    structlog.get_logger(__name__).info(
+    log = structlog.get_logger(__name__)
+    log.info(
         "model ready",
         model=model_id,
         path=str(directory),
         seconds=round(time.perf_counter() - started, 1),
     )
+    if resolve_device(settings.DEVICE).type == "cpu":
+        log.info("fused CPU kernels", available=cpu_ops.available())
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model import cpu_ops
 from engine.model.architecture import (
     GemmaArchitecture,
     GemmaTextConfig,
@@ -49,6 +50,7 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False) if with_scale else None
         self.register_buffer("scale", None, persistent=False)
+        self.fused = False  # one cpu_ops call instead of the eager ops (GemmaForCausalLM.fuse)
 
     def init_buffers(self) -> None:
         """The float32 multiplier, (1 + w) or w, computed once instead of every call."""
@@ -57,6 +59,8 @@ class RMSNorm(nn.Module):
             self.register_buffer("scale", scale, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return cpu_ops.rms_norm(x, self.scale, self.eps)
         h = x.float()
         if self.unit_offset:
             h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -106,6 +110,7 @@ class Attention(nn.Module):
         # q, k (and v) as one call, set by fuse_projections() for the approximate kernels.
         self.qkv_proj: nn.Module | None = None
         self.qkv_sizes: list[int] = []
+        self.fused = False  # q/k norm and RoPE by cpu_ops.norm_rope (GemmaForCausalLM.fuse)
 
     def fuse_projections(self, kernel: str) -> None:
         """Replace q_proj, k_proj and v_proj by one `kernel` linear over their stacked weights.
@@ -135,6 +140,8 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: PagedAttentionStep
     ) -> torch.Tensor:
+        if self.fused:
+            return self._forward_fused(x, cos, sin, step)
         spec = self.spec
         tokens = x.shape[0]
         projected = self._project(x)
@@ -154,6 +161,30 @@ class Attention(nn.Module):
             step.write(spec.index, keys, values)
         out = step.attend(spec.kv_source, query, self.scaling, self.softcap)
         return self.o_proj(out.reshape(tokens, -1))
+
+    def _forward_fused(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: PagedAttentionStep
+    ) -> torch.Tensor:
+        """forward() with each of q and k normalized and rotated in one cpu_ops call, straight
+        from the fused projection's columns (fused only with qkv_proj where K/V are stored)."""
+        spec, heads, dim = self.spec, self.num_heads, self.spec.head_dim
+        projected = self.qkv_proj(x) if self.qkv_proj is not None else self.q_proj(x)
+        eps = self.q_norm.eps
+        query = cpu_ops.norm_rope(projected, 0, heads, dim, self.q_norm.scale, cos, sin, eps)
+        if spec.stores_kv:
+            kv_width = spec.num_kv_heads * dim
+            keys = cpu_ops.norm_rope(
+                projected, heads * dim, spec.num_kv_heads, dim, self.k_norm.scale, cos, sin, eps
+            )
+            values_from = heads * dim + (0 if spec.k_eq_v else kv_width)
+            values = projected[:, values_from : values_from + kv_width].view(
+                -1, spec.num_kv_heads, dim
+            )
+            if self.v_norm is not None:
+                values = self.v_norm(values)
+            step.write(spec.index, keys, values)
+        out = step.attend(spec.kv_source, query, self.scaling, self.softcap)
+        return self.o_proj(out.view(x.shape[0], -1))
 
 
 class MLP(nn.Module):
@@ -215,6 +246,7 @@ class DecoderLayer(nn.Module):
             self.register_buffer("layer_scalar", torch.ones(1))
         else:
             self.layer_scalar = None
+        self.fused = False  # residual adds fused with their norms (GemmaForCausalLM.fuse)
 
     def forward(
         self,
@@ -225,8 +257,21 @@ class DecoderLayer(nn.Module):
         per_layer_input: torch.Tensor | None,
     ) -> torch.Tensor:
         attended = self.self_attn(self.input_layernorm(x), cos, sin, step)
-        x = x + self.post_attention_layernorm(attended)
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        if self.fused:  # x += post(attended); x += post_ff(mlp(pre_ff(x))), x being ours
+            eps = self.input_layernorm.eps
+            hidden = cpu_ops.add_rms_norm_(
+                x,
+                attended,
+                self.post_attention_layernorm.scale,
+                self.pre_feedforward_layernorm.scale,
+                eps,
+            )
+            cpu_ops.add_rms_norm_(
+                x, self.mlp(hidden), self.post_feedforward_layernorm.scale, None, eps
+            )
+        else:
+            x = x + self.post_attention_layernorm(attended)
+            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         if self.has_per_layer_input:
             assert per_layer_input is not None  # TextModel passes one to every layer then
             gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer_input
@@ -379,7 +424,22 @@ class GemmaForCausalLM(nn.Module):
             quantize_model(model.model, body)
             # A tied head keeps its float embedding table for lookups and gets its own copy.
             model.fast_head = make_linear(head, model.lm_head_weight)
+            if device.type == "cpu" and dtype == torch.float32 and cpu_ops.available():
+                model.fuse()
         return model.requires_grad_(False)
+
+    def fuse(self, enabled: bool = True) -> None:
+        """Run norms, RoPE and residual adds through the fused CPU kernels (cpu_ops), or again
+        through eager ops: the same maths, summed in another order, so never under
+        NUMERICS=exact."""
+        for module in self.model.modules():
+            if isinstance(module, RMSNorm | DecoderLayer):
+                module.fused = enabled
+            elif isinstance(module, Attention):
+                # Fused where q, k and v come from one projection, or q alone (KV-shared layers).
+                module.fused = enabled and (
+                    module.qkv_proj is not None or not module.spec.stores_kv
+                )
 
     def forward(
         self,

@@ -1,0 +1,113 @@
+"""Engine steps on the embedded model with the fused CPU kernels (engine/model/cpu_ops.py) and
+with the eager ops they replace, in the default weight mode, timed in turns.
+
+One engine and one loaded model; the model is switched between the two ways
+(GemmaForCausalLM.fuse) before each turn. A turn sends N requests of `--prompt-tokens` distinct
+token ids for `--output-tokens` tokens (EOS ignored) and times every engine step after the
+prefill: whole decode steps, scheduler and sampler included, as a server runs them. Every
+round runs each (way, N) once in a shuffled order, so the machine's drift hits both alike; the
+figure is the median decode step over all rounds.
+
+    python -m evals.bench_step [--users 1 16 32] [--rounds 8] [--output-tokens 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from engine.llm_engine import EngineConfig
+from engine.model import cpu_ops
+from engine.offline import LLM
+from engine.request import Sequence
+from engine.sampling import SamplingParams
+from engine.sched.scheduler import SchedulerConfig
+from evals.harness import token_prompt, write_results
+from evals.plots import bar_chart
+
+WAYS = ("eager ops", "fused kernels")
+
+
+def decode_step_seconds(llm: LLM, prompts: list[list[int]], output_tokens: int) -> list[float]:
+    """Seconds of each engine step after the first (which prefills every prompt)."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
+    for prompt in prompts:
+        engine.add(Sequence(list(prompt), params))
+    times = []
+    while engine.has_work:
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times[1:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--users", type=int, nargs="+", default=[1, 16, 32])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=24)
+    args = parser.parse_args()
+    if not cpu_ops.available():
+        raise SystemExit("the fused CPU kernels could not be built here (see the log)")
+    llm = LLM(
+        weights="auto",
+        numerics="fast",
+        config=EngineConfig(
+            scheduler=SchedulerConfig(
+                max_num_seqs=max(args.users),
+                max_num_batched_tokens=max(args.users) * args.prompt_tokens,
+            ),
+            enable_prefix_caching=False,
+        ),
+    )
+    model = llm.engine.backend.model
+    rng = random.Random(0)
+    steps: dict[tuple[str, int], list[float]] = {(w, n): [] for w in WAYS for n in args.users}
+    order = list(steps)
+    for round_index in range(args.rounds + 1):  # the first round warms up
+        rng.shuffle(order)
+        for way, users in order:
+            model.fuse(way == "fused kernels")
+            prompts = [token_prompt(llm.tokenizer, rng, args.prompt_tokens) for _ in range(users)]
+            times = decode_step_seconds(llm, prompts, args.output_tokens)
+            if round_index:
+                steps[way, users] += times
+    model.fuse(True)
+    ms = {key: 1000 * statistics.median(values) for key, values in steps.items()}
+    lines = [
+        "| N | eager ops, ms per decode step | fused kernels | saved | tok/s eager | tok/s fused |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n in args.users:
+        eager, fused = ms["eager ops", n], ms["fused kernels", n]
+        lines.append(
+            f"| {n} | {eager:.2f} | {fused:.2f} | {100 * (1 - fused / eager):.1f}% "
+            f"| {1000 * n / eager:.1f} | {1000 * n / fused:.1f} |"
+        )
+    markdown = "\n".join(lines)
+    print(f"{torch.get_num_threads()} threads, {args.rounds} rounds")
+    print(markdown)
+    path = write_results(
+        "bench_step",
+        {"users": args.users, "rounds": args.rounds, "prompt_tokens": args.prompt_tokens,
+         "output_tokens": args.output_tokens,
+         "decode_step_ms": {way: {str(n): ms[way, n] for n in args.users} for way in WAYS},
+         "markdown": markdown},
+    )  # fmt: skip
+    bar_chart(
+        path.with_suffix(".png"),
+        "Median decode step, default weight mode",
+        {f"{way}, N={n}": ms[way, n] for n in args.users for way in WAYS},
+        "ms per step",
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

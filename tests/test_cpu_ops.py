@@ -1,0 +1,128 @@
+"""The fused CPU kernels (engine/model/cpu_ops.py) against the eager ops they replace, and the
+model's use of them: every approximate CPU mode runs them, NUMERICS=exact never does, and a
+tiny random Gemma 3 / Gemma 4 gives the same logits either way to float32 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.backends.custom import CustomBackend
+from engine.model import cpu_ops
+from engine.model.gemma import Attention, DecoderLayer, RMSNorm, _rotate
+from tests.paged_driver import PagedDriver, hf_model
+from tests.test_forward_gemma3 import gqa_config
+from tests.test_forward_gemma4 import full_featured_config
+
+CPU = torch.device("cpu")
+EPS = 1e-6
+
+pytestmark = pytest.mark.skipif(
+    not cpu_ops.available(), reason="no C++ compiler to build the fused CPU kernels"
+)
+
+
+def eager_norm(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    return h if scale is None else h * scale
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+
+
+# 3 rows run on the calling thread; 100 rows are split over tasks of 32 (the parallel path).
+@pytest.mark.parametrize("rows", [3, 100])
+@pytest.mark.parametrize("with_scale", [True, False])
+def test_rms_norm_equals_the_eager_ops(rows: int, with_scale: bool) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 2, 96, generator=generator) * 3
+    scale = torch.randn(96, generator=generator) + 1 if with_scale else None
+    close(cpu_ops.rms_norm(x, scale, EPS), eager_norm(x, scale))
+    # A strided input (every other column block) is read as it is.
+    wide = torch.randn(rows, 192, generator=generator)[:, :96]
+    close(cpu_ops.rms_norm(wide, scale, EPS), eager_norm(wide, scale))
+
+
+@pytest.mark.parametrize("rows", [1, 70])
+def test_add_rms_norm_updates_the_residual_and_returns_the_next_input(rows: int) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    residual = torch.randn(rows, 64, generator=generator)
+    x = torch.randn(rows, 64, generator=generator) * 5
+    post, pre = torch.randn(64, generator=generator), torch.randn(64, generator=generator)
+    expected_residual = residual + eager_norm(x, post)
+    updated = residual.clone()
+    out = cpu_ops.add_rms_norm_(updated, x, post, pre, EPS)
+    close(updated, expected_residual)
+    close(out, eager_norm(expected_residual, pre))
+    # Without a next norm: only the residual changes, and nothing is returned.
+    again = residual.clone()
+    assert cpu_ops.add_rms_norm_(again, x, post, None, EPS).numel() == 0
+    close(again, expected_residual)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sign-folded sin as TextModel.rotary makes them."""
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = (positions[:, None].float() * inv_freq).repeat(1, 2)
+    sin, half = angles.sin(), head_dim // 2
+    signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return angles.cos()[:, None], signed[:, None]
+
+
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_norm_rope_equals_norm_then_rotate_on_a_projection(tokens: int) -> None:
+    """Query heads at column 0 and key heads after them, read from one [T, W] projection (whose
+    rows hold values too, so its row stride is wider than the heads)."""
+    heads, kv_heads, dim = 4, 2, 32
+    generator = torch.Generator().manual_seed(tokens)
+    projected = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator)
+    q_scale, k_scale = torch.randn(dim, generator=generator), torch.randn(dim, generator=generator)
+    cos, sin = rope_tables(torch.arange(100, 100 + tokens), dim)
+    query = projected[:, : heads * dim].reshape(tokens, heads, dim)
+    keys = projected[:, heads * dim : (heads + kv_heads) * dim].reshape(tokens, kv_heads, dim)
+    close(
+        cpu_ops.norm_rope(projected, 0, heads, dim, q_scale, cos, sin, EPS),
+        _rotate(eager_norm(query, q_scale), cos, sin),
+    )
+    close(
+        cpu_ops.norm_rope(projected, heads * dim, kv_heads, dim, k_scale, cos, sin, EPS),
+        _rotate(eager_norm(keys, k_scale), cos, sin),
+    )
+
+
+def test_bad_inputs_are_refused() -> None:
+    x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_ops.rms_norm(x.double(), None, EPS)
+    with pytest.raises(RuntimeError, match="row width"):
+        cpu_ops.rms_norm(x, torch.ones(4), EPS)
+    with pytest.raises(RuntimeError, match="columns"):
+        cpu_ops.norm_rope(x, 4, 1, 8, torch.ones(8), torch.ones(2, 8), torch.ones(2, 8), EPS)
+
+
+def fused_flags(backend: CustomBackend) -> set[bool]:
+    modules = backend.model.model.modules()
+    return {m.fused for m in modules if isinstance(m, RMSNorm | DecoderLayer | Attention)}
+
+
+@pytest.mark.parametrize("make_config", [gqa_config, full_featured_config])
+@pytest.mark.parametrize("kernel", ["packed", "int8"])
+def test_the_model_gives_the_same_logits_with_and_without_them(make_config, kernel) -> None:
+    """On Gemma 3 (GQA, softcaps) and Gemma 4 (k=v, KV sharing, PLE, value norms), a prefill and
+    decode steps through the fused kernels give the eager path's logits to float rounding."""
+    config = make_config()
+    weights = hf_model(config, seed=3).state_dict()
+    fused = CustomBackend(config, weights, CPU, torch.float32, 256, kernel)
+    eager = CustomBackend(config, weights, CPU, torch.float32, 256, kernel)
+    eager.model.fuse(False)
+    assert fused_flags(fused) == {True} and fused_flags(eager) == {False}
+    assert fused_flags(CustomBackend(config, weights, CPU, torch.float32, 256)) == {False}
+
+    def logits(backend: CustomBackend) -> list[torch.Tensor]:
+        driver = PagedDriver(backend)
+        steps = [{0: [5, 9, 2, 7, 1, 3, 8], 1: [4, 4, 6]}, {0: [11], 1: [12]}, {0: [13], 1: [2]}]
+        return [out for tokens in steps for out in driver.step(tokens)[0].values()]
+
+    for a, b in zip(logits(fused), logits(eager), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
