@@ -16,6 +16,7 @@ import torch
 
 from engine.backends.base import InferenceBackend
 from engine.kv.manager import BlockCopy, KVCacheManager
+from engine.model import cpu_ops
 from engine.model.batch import ForwardBatch, GroupAttention
 from engine.model.kv_cache import PagedKVCache, cache_group_specs
 from engine.model.paged_attention import PagedAttentionStep
@@ -50,8 +51,16 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(
             backend.arch, num_blocks, block_size, self.device, self.kv_dtype
         )
-        # Fused attention kernels wherever the numerics need not be transformers' own.
+        # Fused attention kernels wherever the numerics need not be transformers' own; decode
+        # read in place from the pools where cpu_ops' kernel takes this model and cache.
         self.fused_attention = not backend.exact
+        self.paged_decode = (
+            self.fused_attention
+            and self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and self.kv_dtype in (torch.float32, torch.bfloat16)
+            and cpu_ops.available()
+        )
 
     def prepare(self, scheduled: list[ScheduledSeq], kv: KVCacheManager) -> ForwardBatch:
         """Apply the KV manager's pending block copies (before any K/V of this step is written),
@@ -74,6 +83,7 @@ class ModelRunner:
             self.device,
             self.kv_dtype,  # the masks' dtype: what the fused attention computes in
             fused=self.fused_attention,
+            paged_decode=self.paged_decode,
         )
         logits = self.backend.forward(
             batch.input_ids.to(self.device),

@@ -1,8 +1,10 @@
 """Engine steps on the embedded model with the fused CPU kernels (engine/model/cpu_ops.py) and
 with the eager ops they replace, in the default weight mode, timed in turns.
 
-One engine and one loaded model; the model is switched between the two ways
-(GemmaForCausalLM.fuse) before each turn. A turn sends N requests of `--prompt-tokens` distinct
+One engine and one loaded model, switched between the two ways before each turn: norms, RoPE
+and residual adds fused (GemmaForCausalLM.fuse) and decode attention read in place from the
+paged pools (the runner's paged_decode), or eager ops with gathered K/V and PyTorch's fused
+attention. A turn sends N requests of `--prompt-tokens` distinct
 token ids for `--output-tokens` tokens (EOS ignored) and times every engine step after the
 prefill: whole decode steps, scheduler and sampler included, as a server runs them. Every
 round runs each (way, N) once in a shuffled order, so the machine's drift hits both alike; the
@@ -66,7 +68,7 @@ def main() -> None:
             enable_prefix_caching=False,
         ),
     )
-    model = llm.engine.backend.model
+    model, runner = llm.engine.backend.model, llm.engine.runner
     rng = random.Random(0)
     steps: dict[tuple[str, int], list[float]] = {(w, n): [] for w in WAYS for n in args.users}
     order = list(steps)
@@ -74,11 +76,13 @@ def main() -> None:
         rng.shuffle(order)
         for way, users in order:
             model.fuse(way == "fused kernels")
+            runner.paged_decode = way == "fused kernels"
             prompts = [token_prompt(llm.tokenizer, rng, args.prompt_tokens) for _ in range(users)]
             times = decode_step_seconds(llm, prompts, args.output_tokens)
             if round_index:
                 steps[way, users] += times
     model.fuse(True)
+    runner.paged_decode = True
     ms = {key: 1000 * statistics.median(values) for key, values in steps.items()}
     lines = [
         "| N | eager ops, ms per decode step | fused kernels | saved | tok/s eager | tok/s fused |",

@@ -1,6 +1,7 @@
 """The fused CPU kernels (engine/model/cpu_ops.py) against the eager ops they replace, and the
 model's use of them: every approximate CPU mode runs them, NUMERICS=exact never does, and a
-tiny random Gemma 3 / Gemma 4 gives the same logits either way to float32 rounding."""
+tiny random Gemma 3 / Gemma 4 gives the same logits either way to float32 rounding (decode
+attention read in place from the pools included)."""
 
 from __future__ import annotations
 
@@ -91,6 +92,41 @@ def test_norm_rope_equals_norm_then_rotate_on_a_projection(tokens: int) -> None:
     )
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(4, 1, 64), (8, 2, 128), (6, 2, 64), (2, 2, 48)],  # vector tiles, and the loops' remainders
+)
+def test_paged_decode_attention_against_float64(pool_dtype, heads, kv_heads, head_dim) -> None:
+    """Keys and values read at scattered slots, padding and window-masked columns skipped: the
+    softmax-weighted values of float64 arithmetic on the same (rounded) keys and values."""
+    seqs, keys, slots_total, scale = 5, 37, 400, head_dim**-0.5
+    generator = torch.Generator().manual_seed(heads * head_dim)
+    key_pool = torch.randn(slots_total, kv_heads, head_dim, generator=generator).to(pool_dtype)
+    value_pool = torch.randn(slots_total, kv_heads, head_dim, generator=generator).to(pool_dtype)
+    query = torch.randn(seqs, heads, head_dim, generator=generator) * 2
+    slots = torch.randperm(slots_total, generator=generator)[: seqs * keys].view(seqs, keys)
+    visible = torch.rand(seqs, keys, generator=generator) > 0.3
+    visible[:, 0] = True  # every query sees at least one key (its own, in the engine)
+    mask = torch.zeros(seqs, keys, dtype=pool_dtype).masked_fill(
+        ~visible, torch.finfo(pool_dtype).min
+    )
+    # A masked column may point anywhere: its slot must never be read.
+    slots = slots.masked_fill(~visible, 10**9)
+    out = cpu_ops.paged_decode_attention(query, key_pool, value_pool, slots, mask, scale)
+
+    expected = torch.empty(seqs, heads, head_dim, dtype=torch.float64)
+    group = heads // kv_heads
+    for b in range(seqs):
+        seen = slots[b][visible[b]]
+        for h in range(heads):
+            k = key_pool[seen, h // group].double()
+            v = value_pool[seen, h // group].double()
+            weights = torch.softmax(k @ query[b, h].double() * scale, dim=0)
+            expected[b, h] = weights @ v
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_inputs_are_refused() -> None:
     x = torch.randn(2, 8)
     with pytest.raises(RuntimeError, match="float32"):
@@ -121,6 +157,8 @@ def test_the_model_gives_the_same_logits_with_and_without_them(make_config, kern
 
     def logits(backend: CustomBackend) -> list[torch.Tensor]:
         driver = PagedDriver(backend)
+        assert driver.runner.paged_decode
+        driver.runner.paged_decode = backend is fused  # eager: gathered K/V and sdpa
         steps = [{0: [5, 9, 2, 7, 1, 3, 8], 1: [4, 4, 6]}, {0: [11], 1: [12]}, {0: [13], 1: [2]}]
         return [out for tokens in steps for out in driver.step(tokens)[0].values()]
 

@@ -32,7 +32,10 @@ from engine.model.loader import cache_root
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17"]
+# -fopenmp: at::parallel_for runs its OpenMP loop inline, so it is serial without it; the library
+# then needs libgomp.so.1, which resolves to the one torch has already loaded (one thread pool).
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-std=c++17"]
+LDFLAGS = ["-fopenmp"]
 
 
 def _cpu_flags() -> str:
@@ -48,7 +51,8 @@ def _cpu_flags() -> str:
 def build_name() -> str:
     """The extension's name, unique per source, flags, torch version and CPU features, so a
     cache shared between machines or upgrades never loads a library built for another."""
-    key = "\n".join([SOURCE.read_text(), " ".join(CFLAGS), torch.__version__, _cpu_flags()])
+    flags = " ".join(CFLAGS + LDFLAGS)
+    key = "\n".join([SOURCE.read_text(), flags, torch.__version__, _cpu_flags()])
     return "gemma_cpu_ops_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -78,6 +82,7 @@ def available() -> bool:
                         name=name,
                         sources=[str(SOURCE)],
                         extra_cflags=CFLAGS,
+                        extra_ldflags=LDFLAGS,
                         build_directory=str(directory),
                         is_python_module=False,
                     )
@@ -119,3 +124,19 @@ def norm_rope(
     RMS-normalized by `scale` and rotated by the RoPE tables (cos and sign-folded sin,
     [T, 1, head_dim], as TextModel.rotary makes them)."""
     return torch.ops.gemma_cpu.norm_rope(x, offset, heads, head_dim, scale, cos, signed_sin, eps)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one query per sequence ([B, H, D] float32) over its keys, read in place from
+    the paged pools ([slots, Hkv, D], float32 or bfloat16) at `slots` ([B, K]), under the
+    additive `mask` ([B, K]; masked keys are skipped). Returns [B, H, D] float32."""
+    return torch.ops.gemma_cpu.paged_decode_attention(
+        query, key_pool, value_pool, slots, mask, scale
+    )

@@ -17,6 +17,9 @@ and whose layer has no logit softcap runs PyTorch's fused scaled_dot_product_att
 same gathered K/V and mask instead: no [heads, queries, keys] score matrix is materialized, and
 keys are shared across query heads without copies. It sums in another order, so its outputs
 differ from the explicit path's in the last bits (tests/test_paged_attention.py bounds it).
+With `paged_decode` as well (on a CPU where cpu_ops' kernels are built), such a decode chunk
+reads its keys and values in place from the pools (cpu_ops.paged_decode_attention): nothing is
+gathered, and the queries stay float32 over a bfloat16 cache.
 
 Masks come from positions, never from slot order: key j is visible to query i when it is
 valid, kpos <= qpos, and, on sliding layers, qpos - kpos < window. The softmax is explicit,
@@ -41,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.model import cpu_ops
 from engine.model.batch import ForwardBatch, GroupAttention
 from engine.model.kv_cache import PagedKVCache
 
@@ -190,9 +194,11 @@ class PagedAttentionStep:
         dtype: torch.dtype,
         mass_groups: Collection[str] | None = None,
         fused: bool = False,
+        paged_decode: bool = False,
     ) -> None:
         self.cache = cache
         self.fused = fused
+        self.paged_decode = paged_decode
         self.num_tokens = int(batch.input_ids.shape[0])
         self.plans = {
             name: _GroupPlan(group, batch, windows.get(name), device, dtype)
@@ -227,6 +233,8 @@ class PagedAttentionStep:
         mass = self.masses.get(group)
         fused = self.fused and mass is None and softcap is None
         attend = _attend_chunk_fused if fused else _attend_chunk
+        if fused and self.paged_decode:
+            attend = _attend_chunk_paged
         chunks = plan.chunks
         if len(chunks) == 1 and chunks[0].num_seqs * chunks[0].q_len == self.num_tokens:
             return attend(chunks[0], query, keys, values, scaling, softcap, mass)
@@ -286,6 +294,23 @@ def _gather_keys_values(
     keys = key_pool.index_select(0, chunk.key_slots).view(b, k_len, num_kv_heads, -1)
     values = value_pool.index_select(0, chunk.key_slots).view(b, k_len, num_kv_heads, -1)
     return keys.transpose(1, 2), values.transpose(1, 2)
+
+
+def _attend_chunk_paged(
+    chunk: _Chunk,
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    scaling: float,
+    softcap: float | None,
+    mass: torch.Tensor | None,
+) -> torch.Tensor:
+    """_attend_chunk_fused with a decode chunk read in place from the pools (no gather)."""
+    if chunk.q_len != 1:
+        return _attend_chunk_fused(chunk, query, key_pool, value_pool, scaling, softcap, mass)
+    return cpu_ops.paged_decode_attention(
+        query, key_pool, value_pool, chunk.key_slots, chunk.mask, scaling
+    )
 
 
 def _attend_chunk_fused(

@@ -10,7 +10,16 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <c10/util/BFloat16.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -171,6 +180,241 @@ at::Tensor norm_rope(const at::Tensor& x, int64_t offset, int64_t heads, int64_t
   return out;
 }
 
+// A row of a KV pool as float32 (a bfloat16 widens exactly: its bits are float32's top half).
+inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
+
+inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t widened = static_cast<uint32_t>(bits[i]) << 16;
+    float value;
+    std::memcpy(&value, &widened, 4);
+    dst[i] = value;
+  }
+}
+
+#if defined(__AVX512F__)
+// 16 floats of a pool row from `src`, widened from bfloat16 where the pool holds it.
+inline __m512 load16(const float* src) { return _mm512_loadu_ps(src); }
+
+inline __m512 load16(const c10::BFloat16* src) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+#endif
+
+// exp(x) for x <= 0 (a score minus its row's maximum), in a form the compiler vectorizes:
+// 2^(x log2 e) = 2^n * 2^f with n the nearest integer and f in [-0.5, 0.5], 2^f by Cephes'
+// exp2f polynomial (relative error about 2e-7). Below -87 it returns exp(-87), about 1.6e-38.
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.f) * 1.44269504088896341f;
+  const int32_t n = static_cast<int32_t>(t - 0.5f);  // t <= 0: truncation rounds to nearest
+  const float f = t - static_cast<float>(n);
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  const int32_t bits = (n + 127) << 23;
+  float power;
+  std::memcpy(&power, &bits, 4);
+  return p * power;
+}
+
+// A mask entry at or below this marks a key the query must not see (masks hold the dtype's
+// minimum there): it is skipped, never read.
+constexpr float kMasked = -1e30f;
+
+// One (sequence, KV head) of decode attention: its `group` query heads q ([group, D]), keys and
+// values at `slots` in the pools (row stride `pool_stride`), additive `mask` over the keys.
+// `scores` ([group, keys]) and `row` ([D]) are scratch; writes out ([group, D]).
+template <typename kv_t>
+void attend_one(const float* q, const kv_t* keys_at, const kv_t* values_at, int64_t pool_stride,
+                const int64_t* slots, const float* mask, int64_t keys, int64_t group,
+                int64_t head_dim, float scale, float* scores, float* row, float* out) {
+  const int64_t d = head_dim;
+  // Scores. With AVX-512, four query heads share each load of a key, in four independent
+  // accumulators (one dependent chain per dot product would leave the FMA units waiting).
+  for (int64_t k = 0; k < keys; ++k) {
+    if (mask[k] <= kMasked) {
+      continue;
+    }
+    const kv_t* key = keys_at + slots[k] * pool_stride;
+    int64_t g = 0;
+#if defined(__AVX512F__)
+    for (; g + 4 <= group && d % 16 == 0; g += 4) {
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+      __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+      for (int64_t i = 0; i < d; i += 16) {
+        const __m512 kv = load16(key + i);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * d + i), kv, a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + (g + 1) * d + i), kv, a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q + (g + 2) * d + i), kv, a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q + (g + 3) * d + i), kv, a3);
+      }
+      scores[g * keys + k] = _mm512_reduce_add_ps(a0) * scale + mask[k];
+      scores[(g + 1) * keys + k] = _mm512_reduce_add_ps(a1) * scale + mask[k];
+      scores[(g + 2) * keys + k] = _mm512_reduce_add_ps(a2) * scale + mask[k];
+      scores[(g + 3) * keys + k] = _mm512_reduce_add_ps(a3) * scale + mask[k];
+    }
+#endif
+    if (g < group) {
+      load_row(key, row, d);
+      for (; g < group; ++g) {
+        const float* qg = q + g * d;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < d; ++i) {
+          dot += qg[i] * row[i];
+        }
+        scores[g * keys + k] = dot * scale + mask[k];
+      }
+    }
+  }
+  // Softmax numerators in place; 1 / their sum per query head scales the output.
+  std::vector<float> inverse_total(group);
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * keys;
+    float top = kMasked;
+    for (int64_t k = 0; k < keys; ++k) {
+      top = mask[k] <= kMasked ? top : std::max(top, sg[k]);
+    }
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t k = 0; k < keys; ++k) {
+      const float p = mask[k] <= kMasked ? 0.f : exp_nonpositive(sg[k] - top);
+      sg[k] = p;
+      total += p;
+    }
+    inverse_total[g] = 1.f / total;
+  }
+  // Values. With AVX-512, 64 output columns of four query heads stay in 16 registers while
+  // every key's values stream past, so nothing is stored until the tile is done.
+  int64_t g = 0;
+#if defined(__AVX512F__)
+  for (; g + 4 <= group && d % 64 == 0; g += 4) {
+    for (int64_t col = 0; col < d; col += 64) {
+      __m512 acc[4][4];
+      for (auto& head : acc) {
+        for (auto& part : head) {
+          part = _mm512_setzero_ps();
+        }
+      }
+      for (int64_t k = 0; k < keys; ++k) {
+        if (mask[k] <= kMasked) {
+          continue;
+        }
+        const kv_t* value = values_at + slots[k] * pool_stride + col;
+        const __m512 v[4] = {load16(value), load16(value + 16), load16(value + 32),
+                             load16(value + 48)};
+        for (int64_t h = 0; h < 4; ++h) {
+          const __m512 p = _mm512_set1_ps(scores[(g + h) * keys + k]);
+          for (int64_t t = 0; t < 4; ++t) {
+            acc[h][t] = _mm512_fmadd_ps(p, v[t], acc[h][t]);
+          }
+        }
+      }
+      for (int64_t h = 0; h < 4; ++h) {
+        const __m512 inverse = _mm512_set1_ps(inverse_total[g + h]);
+        for (int64_t t = 0; t < 4; ++t) {
+          _mm512_storeu_ps(out + (g + h) * d + col + t * 16, _mm512_mul_ps(acc[h][t], inverse));
+        }
+      }
+    }
+  }
+#endif
+  if (g < group) {
+    float* rest = out + g * d;
+    std::fill(rest, out + group * d, 0.f);
+    for (int64_t k = 0; k < keys; ++k) {
+      if (mask[k] <= kMasked) {
+        continue;
+      }
+      load_row(values_at + slots[k] * pool_stride, row, d);
+      for (int64_t h = g; h < group; ++h) {
+        const float p = scores[h * keys + k];
+        float* o = out + h * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) {
+          o[i] += p * row[i];
+        }
+      }
+    }
+    for (int64_t h = g; h < group; ++h) {
+      float* o = out + h * d;
+      const float inverse = inverse_total[h];
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) {
+        o[i] *= inverse;
+      }
+    }
+  }
+}
+
+template <typename kv_t>
+void decode_attention_kernel(const float* query, const kv_t* key_pool, const kv_t* value_pool,
+                             const int64_t* slots, const float* mask, float* out, int64_t seqs,
+                             int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t keys,
+                             float scale) {
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * keys), row(head_dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / kv_heads;
+      const int64_t kv_head = task % kv_heads;
+      // The query heads sharing this KV head are consecutive: kv_head * group + g.
+      const int64_t first = (seq * heads + kv_head * group) * head_dim;
+      attend_one(query + first, key_pool + kv_head * head_dim, value_pool + kv_head * head_dim,
+                 kv_heads * head_dim, slots + seq * keys, mask + seq * keys, keys, group,
+                 head_dim, scale, scores.data(), row.data(), out + first);
+    }
+  });
+}
+
+// Decode attention read in place from the paged pools, with no gathered copy of anyone's K/V:
+// for each sequence b and query head h, softmax_k(q[b, h] . K[slots[b, k]] * scale + mask[b, k])
+// times V at the same slots. query [B, H, D] float32; pools [S, Hkv, D] float32 or bfloat16;
+// slots [B, K] int64; mask [B, K] additive, its masked keys skipped.
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_pool,
+                                  const at::Tensor& value_pool, const at::Tensor& slots,
+                                  const at::Tensor& mask, double scale) {
+  check_float(query, "query");
+  TORCH_CHECK(query.dim() == 3 && key_pool.dim() == 3, "query [B, H, D] and pools [S, Hkv, D]");
+  TORCH_CHECK(key_pool.sizes() == value_pool.sizes() &&
+                  key_pool.scalar_type() == value_pool.scalar_type() &&
+                  key_pool.is_contiguous() && value_pool.is_contiguous(),
+              "the key and value pools must be contiguous and alike");
+  const int64_t seqs = query.size(0), heads = query.size(1), head_dim = query.size(2);
+  const int64_t kv_heads = key_pool.size(1);
+  TORCH_CHECK(key_pool.size(2) == head_dim && kv_heads > 0 && heads % kv_heads == 0,
+              "the query and pool head sizes do not match");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && seqs > 0 && slots.numel() % seqs == 0,
+              "slots must be int64 [B, K]");
+  const int64_t keys = slots.numel() / seqs;
+  TORCH_CHECK(mask.numel() == seqs * keys, "mask must be [B, K]");
+  const at::Tensor q = query.contiguous();
+  const at::Tensor s = slots.contiguous();
+  const at::Tensor m = mask.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({seqs, heads, head_dim}, query.options());
+  const float sc = static_cast<float>(scale);
+  if (key_pool.scalar_type() == at::kFloat) {
+    decode_attention_kernel(q.data_ptr<float>(), key_pool.data_ptr<float>(),
+                            value_pool.data_ptr<float>(), s.data_ptr<int64_t>(),
+                            m.data_ptr<float>(), out.data_ptr<float>(), seqs, heads, kv_heads,
+                            head_dim, keys, sc);
+  } else {
+    TORCH_CHECK(key_pool.scalar_type() == at::kBFloat16, "pools must be float32 or bfloat16");
+    decode_attention_kernel(q.data_ptr<float>(), key_pool.data_ptr<c10::BFloat16>(),
+                            value_pool.data_ptr<c10::BFloat16>(), s.data_ptr<int64_t>(),
+                            m.data_ptr<float>(), out.data_ptr<float>(), seqs, heads, kv_heads,
+                            head_dim, keys, sc);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(gemma_cpu, m) {
@@ -181,10 +425,14 @@ TORCH_LIBRARY(gemma_cpu, m) {
   m.def(
       "norm_rope(Tensor x, int offset, int heads, int head_dim, Tensor? scale, Tensor cos, "
       "Tensor signed_sin, float eps) -> Tensor");
+  m.def(
+      "paged_decode_attention(Tensor query, Tensor key_pool, Tensor value_pool, Tensor slots, "
+      "Tensor mask, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gemma_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("norm_rope", &norm_rope);
+  m.impl("paged_decode_attention", &paged_decode_attention);
 }
