@@ -11,6 +11,7 @@ import torch
 from engine.backends.custom import CustomBackend
 from engine.model import cpu_ops
 from engine.model.gemma import Attention, DecoderLayer, RMSNorm, _rotate
+from tests.conftest import needs_bf16
 from tests.paged_driver import PagedDriver, hf_model
 from tests.test_forward_gemma3 import gqa_config
 from tests.test_forward_gemma4 import full_featured_config
@@ -127,9 +128,53 @@ def test_paged_decode_attention_against_float64(pool_dtype, heads, kv_heads, hea
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_bfloat16_activations_in_and_out() -> None:
+    """bfloat16 inputs are widened exactly and bfloat16 outputs are the float32 results rounded
+    as PyTorch rounds: the same values as casting around the float32 kernels."""
+    generator = torch.Generator().manual_seed(5)
+    x = (torch.randn(20, 64, generator=generator) * 3).bfloat16()
+    scale, pre = torch.randn(64, generator=generator), torch.randn(64, generator=generator)
+    assert torch.equal(
+        cpu_ops.rms_norm(x, scale, EPS, bf16_out=True),
+        cpu_ops.rms_norm(x.float(), scale, EPS).bfloat16(),
+    )
+    residual = torch.randn(20, 64, generator=generator)
+    from_bf16, from_float = residual.clone(), residual.clone()
+    out = cpu_ops.add_rms_norm_(from_bf16, x, scale, pre, EPS, bf16_out=True)
+    expected = cpu_ops.add_rms_norm_(from_float, x.float(), scale, pre, EPS)
+    assert torch.equal(from_bf16, from_float) and torch.equal(out, expected.bfloat16())
+    cos, sin = rope_tables(torch.arange(20), 32)
+    assert torch.equal(
+        cpu_ops.norm_rope(x, 32, 1, 32, scale[:32], cos, sin, EPS),
+        cpu_ops.norm_rope(x.float(), 32, 1, 32, scale[:32], cos, sin, EPS),
+    )
+
+
+@needs_bf16
+def test_bfloat16_handover_changes_no_logit() -> None:
+    """Under bf16 layers the norms hand bfloat16 to the GEMMs, which would round to it anyway:
+    the logits equal those of the same model passing float32, bit for bit."""
+    config = full_featured_config()
+    weights = hf_model(config, seed=4).state_dict()
+    handed = CustomBackend(config, weights, CPU, torch.float32, 256, "bf16")
+    layers = list(handed.model.model.layers)
+    assert all(layer.bf16_activations for layer in layers)
+    float_io = CustomBackend(config, weights, CPU, torch.float32, 256, "bf16")
+    for layer in float_io.model.model.layers:
+        layer.bf16_activations = layer.input_layernorm.bf16_out = False
+
+    def logits(backend: CustomBackend) -> list[torch.Tensor]:
+        driver = PagedDriver(backend)
+        steps = [{0: [5, 9, 2, 7, 1, 3, 8], 1: [4, 4, 6]}, {0: [11], 1: [12]}]
+        return [out for tokens in steps for out in driver.step(tokens)[0].values()]
+
+    for a, b in zip(logits(handed), logits(float_io), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_bad_inputs_are_refused() -> None:
     x = torch.randn(2, 8)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         cpu_ops.rms_norm(x.double(), None, EPS)
     with pytest.raises(RuntimeError, match="row width"):
         cpu_ops.rms_norm(x, torch.ones(4), EPS)

@@ -93,9 +93,12 @@ def available() -> bool:
     return True
 
 
-def rms_norm(x: torch.Tensor, scale: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2, -1) + eps) * scale for a contiguous float32 x."""
-    return torch.ops.gemma_cpu.rms_norm(x, scale, eps)
+def rms_norm(
+    x: torch.Tensor, scale: torch.Tensor | None, eps: float, bf16_out: bool = False
+) -> torch.Tensor:
+    """x * rsqrt(mean(x^2, -1) + eps) * scale over the last dimension of a float32 or bfloat16
+    x; float32, or bfloat16 (rounded as PyTorch rounds) with bf16_out."""
+    return torch.ops.gemma_cpu.rms_norm(x, scale, eps, bf16_out)
 
 
 def add_rms_norm_(
@@ -104,10 +107,12 @@ def add_rms_norm_(
     post_scale: torch.Tensor | None,
     pre_scale: torch.Tensor | None,
     eps: float,
+    bf16_out: bool = False,
 ) -> torch.Tensor:
-    """residual += rms_norm(x, post_scale) in place; returns rms_norm(residual, pre_scale), or
-    an empty tensor when pre_scale is None."""
-    return torch.ops.gemma_cpu.add_rms_norm_(residual, x, post_scale, pre_scale, eps)
+    """residual (float32) += rms_norm(x, post_scale) in place, x float32 or bfloat16; returns
+    rms_norm(residual, pre_scale) (bfloat16 with bf16_out), or an empty tensor when pre_scale is
+    None."""
+    return torch.ops.gemma_cpu.add_rms_norm_(residual, x, post_scale, pre_scale, eps, bf16_out)
 
 
 def norm_rope(
@@ -120,9 +125,9 @@ def norm_rope(
     signed_sin: torch.Tensor,
     eps: float,
 ) -> torch.Tensor:
-    """[T, heads, head_dim]: the heads of projection x ([T, W]) from column `offset` on, each
-    RMS-normalized by `scale` and rotated by the RoPE tables (cos and sign-folded sin,
-    [T, 1, head_dim], as TextModel.rotary makes them)."""
+    """[T, heads, head_dim] float32: the heads of projection x ([T, W], float32 or bfloat16)
+    from column `offset` on, each RMS-normalized by `scale` and rotated by the RoPE tables (cos
+    and sign-folded sin, [T, 1, head_dim], as TextModel.rotary makes them)."""
     return torch.ops.gemma_cpu.norm_rope(x, offset, heads, head_dim, scale, cos, signed_sin, eps)
 
 

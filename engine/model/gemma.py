@@ -51,6 +51,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False) if with_scale else None
         self.register_buffer("scale", None, persistent=False)
         self.fused = False  # one cpu_ops call instead of the eager ops (GemmaForCausalLM.fuse)
+        self.bf16_out = False  # fused, and what reads the output runs in bfloat16
 
     def init_buffers(self) -> None:
         """The float32 multiplier, (1 + w) or w, computed once instead of every call."""
@@ -60,7 +61,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return cpu_ops.rms_norm(x, self.scale, self.eps)
+            return cpu_ops.rms_norm(x, self.scale, self.eps, self.bf16_out)
         h = x.float()
         if self.unit_offset:
             h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -247,6 +248,7 @@ class DecoderLayer(nn.Module):
         else:
             self.layer_scalar = None
         self.fused = False  # residual adds fused with their norms (GemmaForCausalLM.fuse)
+        self.bf16_activations = False  # fused, and the MLP runs in bfloat16
 
     def forward(
         self,
@@ -265,6 +267,7 @@ class DecoderLayer(nn.Module):
                 self.post_attention_layernorm.scale,
                 self.pre_feedforward_layernorm.scale,
                 eps,
+                self.bf16_activations,
             )
             cpu_ops.add_rms_norm_(
                 x, self.mlp(hidden), self.post_feedforward_layernorm.scale, None, eps
@@ -431,15 +434,23 @@ class GemmaForCausalLM(nn.Module):
     def fuse(self, enabled: bool = True) -> None:
         """Run norms, RoPE and residual adds through the fused CPU kernels (cpu_ops), or again
         through eager ops: the same maths, summed in another order, so never under
-        NUMERICS=exact."""
+        NUMERICS=exact. Where a layer's GEMMs run in bfloat16 (BFloat16Linear and
+        BFloat16GatedMLP, which return their input's dtype), the norms before them hand over
+        bfloat16: the GEMMs would round to it anyway, so the values stay the same and the casts
+        go."""
         for module in self.model.modules():
-            if isinstance(module, RMSNorm | DecoderLayer):
-                module.fused = enabled
+            if isinstance(module, RMSNorm):
+                module.fused, module.bf16_out = enabled, False
             elif isinstance(module, Attention):
                 # Fused where q, k and v come from one projection, or q alone (KV-shared layers).
                 module.fused = enabled and (
                     module.qkv_proj is not None or not module.spec.stores_kv
                 )
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            bf16 = enabled and isinstance(layer.mlp.fused, BFloat16GatedMLP)
+            layer.fused, layer.bf16_activations = enabled, bf16
+            layer.input_layernorm.bf16_out = bf16
 
     def forward(
         self,

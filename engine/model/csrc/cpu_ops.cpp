@@ -28,6 +28,38 @@ namespace {
 // Rows per parallel task: decode-sized batches run on the calling thread, with no fork/join.
 constexpr int64_t kRowsPerTask = 32;
 
+// Activations arrive as float32, or as bfloat16 where the layers' GEMMs run in bfloat16
+// (WEIGHTS=bf16*): those GEMMs read and write bfloat16, so passing their rounding along saves a
+// cast per GEMM and changes no value. A bfloat16 row is widened (exactly) into float32 first,
+// so the arithmetic is the float32 path's, bit for bit; narrowing rounds to nearest even, as
+// PyTorch's cast does.
+// A row of a KV pool as float32 (a bfloat16 widens exactly: its bits are float32's top half).
+inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
+
+inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t widened = static_cast<uint32_t>(bits[i]) << 16;
+    float value;
+    std::memcpy(&value, &widened, 4);
+    dst[i] = value;
+  }
+}
+
+// The row at x as float32: x itself, or widened into `buffer`.
+inline const float* float_row(const float* x, int64_t, float*) { return x; }
+
+inline const float* float_row(const c10::BFloat16* x, int64_t n, float* buffer) {
+  load_row(x, buffer, n);
+  return buffer;
+}
+
+template <typename out_t>
+inline out_t narrow(float value) {
+  return static_cast<out_t>(value);
+}
+
 // 1 / sqrt(mean(x^2) + eps) over one row.
 inline float inverse_rms(const float* x, int64_t n, float eps) {
   float sum = 0.f;
@@ -38,18 +70,19 @@ inline float inverse_rms(const float* x, int64_t n, float eps) {
   return 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
 }
 
-// out = (x * inverse_rms(x)) * scale, or without the scale; out may alias x.
-inline void normalize_row(const float* x, const float* scale, float* out, int64_t n, float eps) {
+// out = (x * inverse_rms(x)) * scale, or without the scale.
+template <typename out_t>
+inline void normalize_row(const float* x, const float* scale, out_t* out, int64_t n, float eps) {
   const float r = inverse_rms(x, n, eps);
   if (scale != nullptr) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
-      out[i] = (x[i] * r) * scale[i];
+      out[i] = narrow<out_t>((x[i] * r) * scale[i]);
     }
   } else {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
-      out[i] = x[i] * r;
+      out[i] = narrow<out_t>(x[i] * r);
     }
   }
 }
@@ -68,33 +101,61 @@ void check_float(const at::Tensor& x, const char* name) {
               " must be a float32 CPU tensor");
 }
 
-// Gemma's RMSNorm over the last dimension: x * rsqrt(mean(x^2) + eps) * scale.
-at::Tensor rms_norm(const at::Tensor& input, const std::optional<at::Tensor>& scale,
-                    double eps) {
-  check_float(input, "x");
+void check_activation(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              name, " must be a float32 or bfloat16 CPU tensor");
+}
+
+// Calls body(in_t{}) with in_t the C++ type of x's dtype (float32 or bfloat16).
+template <typename Body>
+void with_activation_type(const at::Tensor& x, Body body) {
+  if (x.scalar_type() == at::kBFloat16) {
+    body(c10::BFloat16{});
+  } else {
+    body(float{});
+  }
+}
+
+at::ScalarType output_type(bool bf16_out) { return bf16_out ? at::kBFloat16 : at::kFloat; }
+
+// Gemma's RMSNorm over the last dimension: x * rsqrt(mean(x^2) + eps) * scale, in bfloat16
+// with bf16_out, else float32.
+at::Tensor rms_norm(const at::Tensor& input, const std::optional<at::Tensor>& scale, double eps,
+                    bool bf16_out) {
+  check_activation(input, "x");
   const at::Tensor x = input.contiguous();
   const int64_t n = x.size(-1);
   const int64_t rows = n == 0 ? 0 : x.numel() / n;
   const float* s = scale_data(scale, n);
-  at::Tensor out = at::empty_like(x);
-  const float* in = x.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      normalize_row(in + row * n, s, o + row * n, n, static_cast<float>(eps));
-    }
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(output_type(bf16_out)));
+  const float e = static_cast<float>(eps);
+  with_activation_type(x, [&](auto in_type) {
+    using in_t = decltype(in_type);
+    const in_t* in = x.data_ptr<in_t>();
+    with_activation_type(out, [&](auto out_type) {
+      using out_t = decltype(out_type);
+      out_t* o = out.data_ptr<out_t>();
+      at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+        std::vector<float> widened(n);
+        for (int64_t row = begin; row < end; ++row) {
+          normalize_row(float_row(in + row * n, n, widened.data()), s, o + row * n, n, e);
+        }
+      });
+    });
   });
   return out;
 }
 
-// The residual step of a decoder layer: residual += rms_norm(x, post_scale), in place; returns
-// rms_norm(residual, pre_scale) (the next sublayer's input), or an empty tensor without one.
+// The residual step of a decoder layer: residual (float32) += rms_norm(x, post_scale), in place;
+// returns rms_norm(residual, pre_scale) (the next sublayer's input, bfloat16 with bf16_out), or
+// an empty tensor without pre_scale.
 at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& input,
                          const std::optional<at::Tensor>& post_scale,
-                         const std::optional<at::Tensor>& pre_scale,
-                         double eps) {
+                         const std::optional<at::Tensor>& pre_scale, double eps,
+                         bool bf16_out) {
   check_float(residual, "residual");
-  check_float(input, "x");
+  check_activation(input, "x");
   TORCH_CHECK(residual.is_contiguous(), "residual must be contiguous");
   const at::Tensor x = input.contiguous();
   TORCH_CHECK(residual.sizes() == x.sizes(), "residual and x must have the same shape");
@@ -102,43 +163,52 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& input,
   const int64_t rows = n == 0 ? 0 : x.numel() / n;
   const float* post = scale_data(post_scale, n);
   const float* pre = scale_data(pre_scale, n);
-  at::Tensor out = pre != nullptr ? at::empty_like(x) : at::empty({0}, x.options());
-  const float* in = x.data_ptr<float>();
+  at::Tensor out = at::empty(pre != nullptr ? x.sizes() : at::IntArrayRef{0},
+                             x.options().dtype(output_type(bf16_out)));
   float* res = residual.data_ptr<float>();
-  float* o = pre != nullptr ? out.data_ptr<float>() : nullptr;
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const float* xr = in + row * n;
-      float* rr = res + row * n;
-      const float r = inverse_rms(xr, n, e);
-      if (post != nullptr) {
+  with_activation_type(x, [&](auto in_type) {
+    using in_t = decltype(in_type);
+    const in_t* in = x.data_ptr<in_t>();
+    with_activation_type(out, [&](auto out_type) {
+      using out_t = decltype(out_type);
+      out_t* o = pre != nullptr ? out.data_ptr<out_t>() : nullptr;
+      at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+        std::vector<float> widened(n);
+        for (int64_t row = begin; row < end; ++row) {
+          const float* xr = float_row(in + row * n, n, widened.data());
+          float* rr = res + row * n;
+          const float r = inverse_rms(xr, n, e);
+          if (post != nullptr) {
 #pragma omp simd
-        for (int64_t i = 0; i < n; ++i) {
-          rr[i] += (xr[i] * r) * post[i];
-        }
-      } else {
+            for (int64_t i = 0; i < n; ++i) {
+              rr[i] += (xr[i] * r) * post[i];
+            }
+          } else {
 #pragma omp simd
-        for (int64_t i = 0; i < n; ++i) {
-          rr[i] += xr[i] * r;
+            for (int64_t i = 0; i < n; ++i) {
+              rr[i] += xr[i] * r;
+            }
+          }
+          if (o != nullptr) {
+            normalize_row(rr, pre, o + row * n, n, e);
+          }
         }
-      }
-      if (o != nullptr) {
-        normalize_row(rr, pre, o + row * n, n, e);
-      }
-    }
+      });
+    });
   });
   return out;
 }
 
-// Query or key heads of a projection, normalized and rotated: for rows t of x ([T, W], rows may
-// be strided, columns contiguous), heads h at columns offset + h * D: n = rms_norm(head, scale),
-// then n * cos[t] + roll(n, D / 2) * signed_sin[t] (rotate-half RoPE with the first half of the
-// sine negated, as gemma.py's tables hold it). Returns [T, heads, D].
+// Query or key heads of a projection, normalized and rotated: for rows t of x ([T, W], float32
+// or bfloat16; rows may be strided, columns contiguous), heads h at columns offset + h * D:
+// n = rms_norm(head, scale), then n * cos[t] + roll(n, D / 2) * signed_sin[t] (rotate-half RoPE
+// with the first half of the sine negated, as gemma.py's tables hold it). Returns [T, heads, D]
+// float32.
 at::Tensor norm_rope(const at::Tensor& x, int64_t offset, int64_t heads, int64_t head_dim,
                      const std::optional<at::Tensor>& scale, const at::Tensor& cos_table,
                      const at::Tensor& signed_sin_table, double eps) {
-  check_float(x, "x");
+  check_activation(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, W] with contiguous rows");
   TORCH_CHECK(head_dim % 2 == 0 && offset >= 0 && offset + heads * head_dim <= x.size(1),
               "heads out of the projection's columns");
@@ -150,48 +220,38 @@ at::Tensor norm_rope(const at::Tensor& x, int64_t offset, int64_t heads, int64_t
   TORCH_CHECK(cos_c.numel() == tokens * head_dim && sin_c.numel() == tokens * head_dim,
               "the RoPE tables must hold [T, head_dim] values");
   const float* s = scale_data(scale, head_dim);
-  at::Tensor out = at::empty({tokens, heads, head_dim}, x.options());
-  const float* in = x.data_ptr<float>();
+  at::Tensor out = at::empty({tokens, heads, head_dim}, x.options().dtype(at::kFloat));
   const int64_t row_stride = x.stride(0);
   const float* cos_data = cos_c.data_ptr<float>();
   const float* sin_data = sin_c.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t half = head_dim / 2;
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, tokens * heads, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    std::vector<float> normed(head_dim);
-    for (int64_t index = begin; index < end; ++index) {
-      const int64_t t = index / heads;
-      const int64_t h = index % heads;
-      normalize_row(in + t * row_stride + offset + h * head_dim, s, normed.data(), head_dim, e);
-      const float* c = cos_data + t * head_dim;
-      const float* sn = sin_data + t * head_dim;
-      float* dst = o + index * head_dim;
+  with_activation_type(x, [&](auto in_type) {
+    using in_t = decltype(in_type);
+    const in_t* in = x.data_ptr<in_t>();
+    at::parallel_for(0, tokens * heads, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      std::vector<float> normed(head_dim), widened(head_dim);
+      for (int64_t index = begin; index < end; ++index) {
+        const int64_t t = index / heads;
+        const int64_t h = index % heads;
+        const in_t* head = in + t * row_stride + offset + h * head_dim;
+        normalize_row(float_row(head, head_dim, widened.data()), s, normed.data(), head_dim, e);
+        const float* c = cos_data + t * head_dim;
+        const float* sn = sin_data + t * head_dim;
+        float* dst = o + index * head_dim;
 #pragma omp simd
-      for (int64_t i = 0; i < half; ++i) {
-        dst[i] = normed[i] * c[i] + normed[i + half] * sn[i];
-      }
+        for (int64_t i = 0; i < half; ++i) {
+          dst[i] = normed[i] * c[i] + normed[i + half] * sn[i];
+        }
 #pragma omp simd
-      for (int64_t i = half; i < head_dim; ++i) {
-        dst[i] = normed[i] * c[i] + normed[i - half] * sn[i];
+        for (int64_t i = half; i < head_dim; ++i) {
+          dst[i] = normed[i] * c[i] + normed[i - half] * sn[i];
+        }
       }
-    }
+    });
   });
   return out;
-}
-
-// A row of a KV pool as float32 (a bfloat16 widens exactly: its bits are float32's top half).
-inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
-
-inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t widened = static_cast<uint32_t>(bits[i]) << 16;
-    float value;
-    std::memcpy(&value, &widened, 4);
-    dst[i] = value;
-  }
 }
 
 #if defined(__AVX512F__)
@@ -418,10 +478,10 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
 }  // namespace
 
 TORCH_LIBRARY(gemma_cpu, m) {
-  m.def("rms_norm(Tensor x, Tensor? scale, float eps) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor? scale, float eps, bool bf16_out=False) -> Tensor");
   m.def(
       "add_rms_norm_(Tensor(a!) residual, Tensor x, Tensor? post_scale, Tensor? pre_scale, "
-      "float eps) -> Tensor");
+      "float eps, bool bf16_out=False) -> Tensor");
   m.def(
       "norm_rope(Tensor x, int offset, int heads, int head_dim, Tensor? scale, Tensor cos, "
       "Tensor signed_sin, float eps) -> Tensor");
