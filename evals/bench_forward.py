@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 
 import torch
 
 from engine.backends import create_backend
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model.loader import load_model
-from engine.request import Sequence
 from engine.sampling import SamplingParams
 from engine.sched.scheduler import SchedulerConfig
-from evals.harness import hf_reference_model, time_generate, token_prompt, write_results
+from evals.harness import (
+    engine_step_seconds,
+    hf_reference_model,
+    time_generate,
+    token_prompt,
+    write_results,
+)
 from evals.plots import bar_chart
 
 
@@ -44,13 +48,7 @@ def engine_speed(
     def run(prompt: list[int]) -> list[float]:
         """Seconds of each engine step: the first computes the prompt, the rest decode."""
         params = SamplingParams(max_tokens=decode_tokens + 1, temperature=0.0, ignore_eos=True)
-        engine.add(Sequence(list(prompt), params))
-        step_times = []
-        while engine.has_work:
-            start = time.perf_counter()
-            engine.step()
-            step_times.append(time.perf_counter() - start)
-        return step_times
+        return engine_step_seconds(engine, [prompt], params)
 
     run(prompts[0])  # warm-up
     prefill_s = decode_s = 0.0

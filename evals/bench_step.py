@@ -18,34 +18,18 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 
 import torch
 
 from engine.llm_engine import EngineConfig
 from engine.model import cpu_ops
 from engine.offline import LLM
-from engine.request import Sequence
 from engine.sampling import SamplingParams
 from engine.sched.scheduler import SchedulerConfig
-from evals.harness import token_prompt, write_results
+from evals.harness import engine_step_seconds, token_prompt, write_results
 from evals.plots import bar_chart
 
 WAYS = ("eager ops", "fused kernels")
-
-
-def decode_step_seconds(llm: LLM, prompts: list[list[int]], output_tokens: int) -> list[float]:
-    """Seconds of each engine step after the first (which prefills every prompt)."""
-    engine = llm.engine
-    params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
-    for prompt in prompts:
-        engine.add(Sequence(list(prompt), params))
-    times = []
-    while engine.has_work:
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    return times[1:]
 
 
 def main() -> None:
@@ -78,7 +62,9 @@ def main() -> None:
             model.fuse(way == "fused kernels")
             runner.paged_decode = way == "fused kernels"
             prompts = [token_prompt(llm.tokenizer, rng, args.prompt_tokens) for _ in range(users)]
-            times = decode_step_seconds(llm, prompts, args.output_tokens)
+            params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
+            # Every step after the first, which prefills the prompts.
+            times = engine_step_seconds(llm.engine, prompts, params)[1:]
             if round_index:
                 steps[way, users] += times
     model.fuse(True)

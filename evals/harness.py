@@ -22,7 +22,10 @@ from pathlib import Path
 import httpx
 import torch
 
+from engine.llm_engine import LLMEngine
 from engine.model.linear_kernels import has_amx
+from engine.request import Sequence
+from engine.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "evals" / "results"
@@ -50,6 +53,22 @@ def hf_reference_model(loaded):
     model.load_state_dict(loaded.state_dict, strict=False)
     model.tie_weights()
     return model.eval()
+
+
+@torch.inference_mode()
+def engine_step_seconds(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
+) -> list[float]:
+    """Add a request per prompt, then step the engine until it has no work; returns the seconds
+    of each step (the first computes the prompts, as far as one step's budget goes)."""
+    for prompt in prompts:
+        engine.add(Sequence(list(prompt), params))
+    times = []
+    while engine.has_work:
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
 
 
 @torch.inference_mode()

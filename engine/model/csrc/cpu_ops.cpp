@@ -117,6 +117,14 @@ void with_activation_type(const at::Tensor& x, Body body) {
   }
 }
 
+// Calls body(in_t{}, out_t{}) with the C++ types of x's and out's dtypes.
+template <typename Body>
+void with_activation_types(const at::Tensor& x, const at::Tensor& out, Body body) {
+  with_activation_type(x, [&](auto in_type) {
+    with_activation_type(out, [&](auto out_type) { body(in_type, out_type); });
+  });
+}
+
 at::ScalarType output_type(bool bf16_out) { return bf16_out ? at::kBFloat16 : at::kFloat; }
 
 // Gemma's RMSNorm over the last dimension: x * rsqrt(mean(x^2) + eps) * scale, in bfloat16
@@ -130,18 +138,16 @@ at::Tensor rms_norm(const at::Tensor& input, const std::optional<at::Tensor>& sc
   const float* s = scale_data(scale, n);
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(output_type(bf16_out)));
   const float e = static_cast<float>(eps);
-  with_activation_type(x, [&](auto in_type) {
+  with_activation_types(x, out, [&](auto in_type, auto out_type) {
     using in_t = decltype(in_type);
+    using out_t = decltype(out_type);
     const in_t* in = x.data_ptr<in_t>();
-    with_activation_type(out, [&](auto out_type) {
-      using out_t = decltype(out_type);
-      out_t* o = out.data_ptr<out_t>();
-      at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-        std::vector<float> widened(n);
-        for (int64_t row = begin; row < end; ++row) {
-          normalize_row(float_row(in + row * n, n, widened.data()), s, o + row * n, n, e);
-        }
-      });
+    out_t* o = out.data_ptr<out_t>();
+    at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      std::vector<float> widened(n);
+      for (int64_t row = begin; row < end; ++row) {
+        normalize_row(float_row(in + row * n, n, widened.data()), s, o + row * n, n, e);
+      }
     });
   });
   return out;
@@ -167,34 +173,32 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& input,
                              x.options().dtype(output_type(bf16_out)));
   float* res = residual.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  with_activation_type(x, [&](auto in_type) {
+  with_activation_types(x, out, [&](auto in_type, auto out_type) {
     using in_t = decltype(in_type);
+    using out_t = decltype(out_type);
     const in_t* in = x.data_ptr<in_t>();
-    with_activation_type(out, [&](auto out_type) {
-      using out_t = decltype(out_type);
-      out_t* o = pre != nullptr ? out.data_ptr<out_t>() : nullptr;
-      at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-        std::vector<float> widened(n);
-        for (int64_t row = begin; row < end; ++row) {
-          const float* xr = float_row(in + row * n, n, widened.data());
-          float* rr = res + row * n;
-          const float r = inverse_rms(xr, n, e);
-          if (post != nullptr) {
+    out_t* o = pre != nullptr ? out.data_ptr<out_t>() : nullptr;
+    at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      std::vector<float> widened(n);
+      for (int64_t row = begin; row < end; ++row) {
+        const float* xr = float_row(in + row * n, n, widened.data());
+        float* rr = res + row * n;
+        const float r = inverse_rms(xr, n, e);
+        if (post != nullptr) {
 #pragma omp simd
-            for (int64_t i = 0; i < n; ++i) {
-              rr[i] += (xr[i] * r) * post[i];
-            }
-          } else {
-#pragma omp simd
-            for (int64_t i = 0; i < n; ++i) {
-              rr[i] += xr[i] * r;
-            }
+          for (int64_t i = 0; i < n; ++i) {
+            rr[i] += (xr[i] * r) * post[i];
           }
-          if (o != nullptr) {
-            normalize_row(rr, pre, o + row * n, n, e);
+        } else {
+#pragma omp simd
+          for (int64_t i = 0; i < n; ++i) {
+            rr[i] += xr[i] * r;
           }
         }
-      });
+        if (o != nullptr) {
+          normalize_row(rr, pre, o + row * n, n, e);
+        }
+      }
     });
   });
   return out;
