@@ -1,12 +1,13 @@
 """Fused CPU kernels for the elementwise work between the GEMMs (csrc/cpu_ops.cpp).
 
 A Gemma RMSNorm is eight eager ops, and a decoder layer runs six norms and two residual adds:
-at decode sizes they cost more in dispatch and allocation than in arithmetic. Replacing the
-norms by one op each took 2.5 ms off a 32 ms single-stream decode step and 6 ms off a 48 ms step
-at 16 sequences (README, "Measured performance"). The kernels are built on first use with the
-machine's C++ compiler (torch.utils.cpp_extension, ninja) into the model cache, for this CPU's
-instruction set, and loaded as `torch.ops.gemma_cpu`. Where no compiler is found, or off the
-CPU, `available()` is false and the model runs the same maths as eager ops.
+at decode sizes they cost more in dispatch and allocation than in arithmetic, and decode
+attention copied every sequence's K/V out of the paged pools first. `evals/bench_step.py`
+measures a decode step with and without these kernels (README, "Measured performance"). They
+are built on first use with the machine's C++ compiler (torch.utils.cpp_extension, ninja) into
+the model cache, for this CPU's instruction set, and loaded as `torch.ops.gemma_cpu`. Where no
+compiler is found `available()` is false and the model runs the same maths as eager ops; the
+callers use them on a CPU device only.
 
 They sum in another order than torch's reductions, so they are used only by the approximate
 modes (every mode but NUMERICS=exact), where tests/test_cpu_ops.py bounds them.
@@ -76,16 +77,20 @@ def available() -> bool:
                     log.info("building the fused CPU kernels", directory=str(directory))
                     # ninja comes with the project (PyPI's ninja) into this interpreter's
                     # environment, which need not be on PATH (`.venv/bin/python -m app ...`).
-                    bin_dir = str(Path(sys.executable).parent)
-                    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-                    cpp_extension.load(
-                        name=name,
-                        sources=[str(SOURCE)],
-                        extra_cflags=CFLAGS,
-                        extra_ldflags=LDFLAGS,
-                        build_directory=str(directory),
-                        is_python_module=False,
-                    )
+                    # Only for the build: the server's own PATH stays as it was.
+                    path = os.environ.get("PATH", "")
+                    os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + path
+                    try:
+                        cpp_extension.load(
+                            name=name,
+                            sources=[str(SOURCE)],
+                            extra_cflags=CFLAGS,
+                            extra_ldflags=LDFLAGS,
+                            build_directory=str(directory),
+                            is_python_module=False,
+                        )
+                    finally:
+                        os.environ["PATH"] = path
         torch.ops.load_library(str(library))
     except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as exc:
         log.warning("fused CPU kernels unavailable; running eager ops", error=str(exc)[:500])
