@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.backends.custom import CustomBackend
+from engine.model import cpu_ops
 from engine.model.linear_kernels import (
     BFloat16GatedMLP,
     BFloat16Linear,
@@ -97,7 +98,9 @@ def test_warm_up_calls_every_bucket_of_each_onednn_shape_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Modules of one kernel and shape share oneDNN's primitives: one of them runs each row
-    bucket; a module of another shape runs them too; fbgemm and F.linear need no warming."""
+    bucket; a module of another shape runs them too; fbgemm and F.linear need no warming.
+    PackedLinear runs oneDNN here as on a CPU without cpu_ops' packed kernel."""
+    monkeypatch.setattr(cpu_ops, "packed_linear_supported", lambda dtype: False)
     calls: list[tuple[int, int, torch.dtype]] = []
     forward = PackedLinear.forward
 
@@ -115,6 +118,7 @@ def test_warm_up_calls_every_bucket_of_each_onednn_shape_once(
     )
     assert warm_up(model, 20, torch.float32) == 2 * len(row_buckets(20))
     assert calls == [(out, rows, torch.float32) for out in (24, 40) for rows in row_buckets(20)]
+
 
 
 @pytest.mark.parametrize("rows", [1, 5, 33, 70])

@@ -32,7 +32,9 @@ from engine.model.loader import cache_root
 
 log = structlog.get_logger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "packed_linear.cpp"]
+HEADERS = [CSRC / "vector_math.h"]
 # -fopenmp: at::parallel_for runs its OpenMP loop inline, so it is serial without it; the library
 # then needs libgomp.so.1, which resolves to the one torch has already loaded (one thread pool).
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-std=c++17"]
@@ -53,7 +55,8 @@ def build_name() -> str:
     """The extension's name, unique per source, flags, torch version and CPU features, so a
     cache shared between machines or upgrades never loads a library built for another."""
     flags = " ".join(CFLAGS + LDFLAGS)
-    key = "\n".join([SOURCE.read_text(), flags, torch.__version__, _cpu_flags()])
+    texts = [path.read_text() for path in SOURCES + HEADERS]
+    key = "\n".join([*texts, flags, torch.__version__, _cpu_flags()])
     return "gemma_cpu_ops_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -83,7 +86,7 @@ def available() -> bool:
                     try:
                         cpp_extension.load(
                             name=name,
-                            sources=[str(SOURCE)],
+                            sources=[str(path) for path in SOURCES],
                             extra_cflags=CFLAGS,
                             extra_ldflags=LDFLAGS,
                             build_directory=str(directory),
@@ -150,3 +153,34 @@ def paged_decode_attention(
     return torch.ops.gemma_cpu.paged_decode_attention(
         query, key_pool, value_pool, slots, mask, scale
     )
+
+
+def packed_linear_supported(dtype: torch.dtype) -> bool:
+    """Whether the kernels were built with packed_linear for `dtype` weights on this CPU
+    (float32 needs AVX-512, bfloat16 AVX512-BF16)."""
+    return available() and bool(torch.ops.gemma_cpu.packed_linear_supported(dtype))
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [O, I] (float32 or bfloat16) in packed_linear's layout: tiles of 64 outputs,
+    input by input (bfloat16: by pairs of inputs), zero-padded."""
+    return torch.ops.gemma_cpu.pack_linear_weight(weight)
+
+
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bf16_out: bool = False
+) -> torch.Tensor:
+    """x [rows, I] (float32 or bfloat16) @ W.T for W packed by pack_linear_weight: float32
+    [rows, out_features], or bfloat16 with bf16_out. bfloat16 weights multiply x rounded to
+    bfloat16; sums are float32."""
+    return torch.ops.gemma_cpu.packed_linear(x, packed, out_features, bf16_out)
+
+
+def packed_gated_mlp(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, hidden: int, out_features: int
+) -> torch.Tensor:
+    """Gemma's MLP down(gelu_tanh(gate(x)) * up(x)) over bfloat16 packed weights, rounded to
+    bfloat16 where oneDNN's GEMMs round (the activation, the product, the output); gate_up is
+    gate's and up's weights in alternating runs of 64 rows, packed. Returns [rows,
+    out_features] bfloat16."""
+    return torch.ops.gemma_cpu.packed_gated_mlp(x, gate_up, down, hidden, out_features)

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.model import cpu_ops
+
 WEIGHT_MODES = ("auto", "fp32", "bf16", "bf16-int8head", "int8")
 _CPU_ONLY = {"bf16": "oneDNN", "bf16-int8head": "oneDNN", "int8": "oneDNN or fbgemm"}
 # Modes whose LM head runs another kernel than the body: (body, head).
@@ -150,17 +152,45 @@ def padded_rows(x: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.
 
 
 class PackedLinear(nn.Module):
-    """`x @ W.T` through oneDNN with the weight (in the model's dtype) reordered once, at load."""
+    """`x @ W.T` on the model's weights packed once, at load. Float32 weights go into
+    cpu_ops.packed_linear's tiles where this CPU has that kernel (AVX-512): at decode sizes it
+    reads the weights as one stream and, measured by `evals/bench_kernels.py`, ran the
+    embedded model's layers 10-20% faster than oneDNN at 1 to 32 rows, the LM head as fast or
+    faster, and a 512-row prefill a few percent slower. Elsewhere the weights are reordered
+    for oneDNN, which `F.linear` would redo every call."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+        self.tiles: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None
+        if weight.dtype == torch.float32 and cpu_ops.packed_linear_supported(torch.float32):
+            self.tiles = cpu_ops.pack_linear_weight(weight)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (*x.shape[:-1], self.out_features)
+        if self.tiles is not None:
+            rows = x.reshape(-1, self.in_features)
+            return cpu_ops.packed_linear(rows, self.tiles, self.out_features).view(shape)
         rows = padded_rows(x, self.in_features, x.dtype)
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")
-        return out[: x.numel() // self.in_features].view(*x.shape[:-1], self.out_features)
+        return out[: x.numel() // self.in_features].view(shape)
+
+
+# Rows up to which the bfloat16 layers run cpu_ops' packed kernels rather than oneDNN's: one,
+# a single stream's decode step, where reading the weights is all the time there is and the
+# packed kernel streamed them 15-20% faster (evals/bench_kernels.py). From two rows on oneDNN
+# runs them as fast or faster, on AMX tiles, so both layouts are kept.
+PACKED_BF16_MAX_ROWS = 1
+
+
+def _bf16_tiles(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight in bfloat16 in cpu_ops' packed layout, where this CPU has that kernel."""
+    if not cpu_ops.packed_linear_supported(torch.bfloat16):
+        return None
+    return cpu_ops.pack_linear_weight(weight.bfloat16())
 
 
 class BFloat16Linear(nn.Module):
@@ -177,8 +207,13 @@ class BFloat16Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16().contiguous())
+        self.tiles = _bf16_tiles(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiles is not None and x.numel() <= PACKED_BF16_MAX_ROWS * self.in_features:
+            rows = x.reshape(-1, self.in_features)
+            out = cpu_ops.packed_linear(rows, self.tiles, self.out_features, bf16_out=True)
+            return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         rows = padded_rows(x, self.in_features, torch.bfloat16)
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")
         out = out[: x.numel() // self.in_features].to(x.dtype)
@@ -204,8 +239,19 @@ class BFloat16GatedMLP(nn.Module):
             torch.ops.mkldnn._reorder_linear_weight(w.bfloat16().contiguous())
             for w in (gate, up, down)
         )
+        # The same MLP for a single row (PACKED_BF16_MAX_ROWS) by cpu_ops.packed_gated_mlp.
+        self.gate_up_tiles = _bf16_tiles(_alternate_tiles(gate, up))
+        self.down_tiles = _bf16_tiles(down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self.gate_up_tiles, self.down_tiles
+        single_row = x.numel() <= PACKED_BF16_MAX_ROWS * self.in_features
+        if gate_up is not None and down is not None and single_row:
+            rows = x.reshape(-1, self.in_features)
+            out = cpu_ops.packed_gated_mlp(
+                rows, gate_up, down, self.out_features, self.hidden_features
+            )
+            return out.to(x.dtype).view(*x.shape[:-1], self.hidden_features)
         rows = padded_rows(x, self.in_features, torch.bfloat16)
         linear = torch.ops.mkldnn._linear_pointwise
         activation = linear(rows, self.gate, None, "gelu", [], "tanh")
@@ -213,6 +259,20 @@ class BFloat16GatedMLP(nn.Module):
         out = linear(product, self.down, None, "none", [], "")
         out = out[: x.numel() // self.in_features].to(x.dtype)
         return out.view(*x.shape[:-1], self.hidden_features)
+
+
+def _alternate_tiles(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate's and up's rows in alternating runs of 64 (zero-padded to a multiple of 64), as
+    cpu_ops.packed_gated_mlp takes them."""
+    hidden, width = gate.shape
+    tiles = -(-hidden // 64)
+    runs = [
+        w.new_zeros(tiles * 64, width)
+        .index_copy_(0, torch.arange(hidden), w)
+        .view(tiles, 64, width)
+        for w in (gate, up)
+    ]
+    return torch.stack(runs, dim=1).reshape(2 * tiles * 64, width)
 
 
 class DynamicInt8Linear(nn.Module):
@@ -307,6 +367,8 @@ def warm_up(model: nn.Module, max_rows: int, dtype: torch.dtype) -> int:
     for module in model.modules():
         if not isinstance(module, _ONEDNN_KERNELS):
             continue
+        if isinstance(module, PackedLinear) and module.packed is None:
+            continue  # cpu_ops' kernel: nothing to build
         key = (type(module), module.in_features, module.out_features)
         if key in seen:
             continue

@@ -1,0 +1,370 @@
+// Linear layers over weights packed in tiles of 64 outputs (engine/model/cpu_ops.py).
+//
+// At a decode step's few rows a linear layer is a matrix-vector product: its time is the time it
+// takes to read the weights once. The packed layout makes that read one sequential stream: tile
+// t holds outputs [64 t, 64 t + 64) input by input (float32: [I][64]; bfloat16: input pairs,
+// [I / 2][64][2], the order AVX512-BF16's dot product takes), so every load brings 64 outputs'
+// weights for the same input, multiplied by that input broadcast from each row, with no
+// horizontal sums. A tile's outputs stay in registers (up to 6 rows x 4 vectors); more rows run
+// over the tile again in blocks of 6 (see tile_all_rows).
+//
+// Sums run in another order than oneDNN's; bfloat16 products are summed in float32 as oneDNN's
+// are. Each output is rounded to the output dtype once, as oneDNN's GEMMs round theirs.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <c10/util/BFloat16.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "vector_math.h"
+
+namespace {
+
+constexpr int64_t kTile = 64;       // outputs per tile: four 16-float vectors
+constexpr int64_t kMaxRows = 6;     // rows per register block: 6 x 4 accumulators
+
+#if defined(__AVX512F__)
+constexpr bool kFloat32Kernel = true;
+#else
+constexpr bool kFloat32Kernel = false;
+#endif
+#if defined(__AVX512BF16__)
+constexpr bool kBFloat16Kernel = true;
+#else
+constexpr bool kBFloat16Kernel = false;
+#endif
+
+// Packed weights are [tiles, inputs, 64] float32 or [tiles, pairs, 64, 2] bfloat16.
+int64_t packed_inputs(const at::Tensor& packed) {
+  return packed.scalar_type() == at::kBFloat16 ? 2 * packed.size(1) : packed.size(1);
+}
+
+#if defined(__AVX512F__)
+// sums[r][0..64) (+)= x[r] . w over `count` inputs, for R rows of x (row stride x_stride):
+// float32 weights w = [count][64], from the tile's first input of this block.
+template <int R>
+void tile_sums(const float* x, int64_t x_stride, const float* w, int64_t count, float* sums,
+               const char* prefetch, int64_t prefetch_lines) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int b = 0; b < 4; ++b) {
+      acc[r][b] = _mm512_setzero_ps();
+    }
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    for (int64_t line = 0; line < prefetch_lines; ++line) {
+      _mm_prefetch(prefetch + (i * prefetch_lines + line) * 64, _MM_HINT_T1);
+    }
+    const float* wi = w + i * kTile;
+    const __m512 w0 = _mm512_loadu_ps(wi), w1 = _mm512_loadu_ps(wi + 16);
+    const __m512 w2 = _mm512_loadu_ps(wi + 32), w3 = _mm512_loadu_ps(wi + 48);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * x_stride + i]);
+      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(xv, w2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(xv, w3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int b = 0; b < 4; ++b) {
+      _mm512_storeu_ps(sums + r * kTile + 16 * b, acc[r][b]);
+    }
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// The same over bfloat16: x as pairs of bfloat16 (one 32-bit word each), w = [count][64][2]
+// pairs; each vdpbf16ps multiplies a pair of inputs by 16 outputs' pair of weights.
+template <int R>
+void tile_sums(const uint32_t* x, int64_t x_stride, const c10::BFloat16* w, int64_t count,
+               float* sums, const char* prefetch, int64_t prefetch_lines) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int b = 0; b < 4; ++b) {
+      acc[r][b] = _mm512_setzero_ps();
+    }
+  }
+  for (int64_t p = 0; p < count; ++p) {
+    for (int64_t line = 0; line < prefetch_lines; ++line) {
+      _mm_prefetch(prefetch + (p * prefetch_lines + line) * 64, _MM_HINT_T1);
+    }
+    const c10::BFloat16* wp = w + p * 2 * kTile;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64);
+    const __m512bh w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * x_stride + p]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xv, w2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xv, w3);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int b = 0; b < 4; ++b) {
+      _mm512_storeu_ps(sums + r * kTile + 16 * b, acc[r][b]);
+    }
+  }
+}
+#endif
+
+// Every row's sums for one tile, rows in blocks of up to kMaxRows. The first block reads the
+// tile's weights from memory; the others read them again from the L2 cache (a tile is at most
+// a few hundred KB) and meanwhile prefetch `next`, the tile this thread runs after this one, so
+// memory stays busy while they compute (without, the float32 LM head at 16 rows took 20%
+// longer). x_t is float (float32 weights) or uint32_t (bfloat16 pairs); `step` is the weights'
+// elements per unit of x (64 floats per input, 128 bfloat16 per pair).
+template <typename x_t, typename w_t>
+void tile_all_rows(const x_t* x, int64_t rows, int64_t x_stride, const w_t* tile, int64_t count,
+                   const w_t* next, float* sums) {
+  constexpr int64_t step = std::is_same_v<w_t, float> ? kTile : 2 * kTile;
+  const int64_t blocks = (rows + kMaxRows - 1) / kMaxRows;
+  const int64_t lines = count * step * static_cast<int64_t>(sizeof(w_t)) / 64;
+  const int64_t per_block = blocks > 1 && next != nullptr ? (lines + blocks - 2) / (blocks - 1) : 0;
+  const int64_t per_unit = (per_block + count - 1) / count;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t r = b * kMaxRows;
+    const x_t* xr = x + r * x_stride;
+    float* s = sums + r * kTile;
+    const int64_t first_line = (b - 1) * per_block;
+    const int64_t n = b > 0 && first_line < lines ? per_unit : 0;
+    const char* prefetch = n > 0 ? reinterpret_cast<const char*>(next) + first_line * 64 : nullptr;
+    switch (std::min(kMaxRows, rows - r)) {
+      case 1: tile_sums<1>(xr, x_stride, tile, count, s, prefetch, n); break;
+      case 2: tile_sums<2>(xr, x_stride, tile, count, s, prefetch, n); break;
+      case 3: tile_sums<3>(xr, x_stride, tile, count, s, prefetch, n); break;
+      case 4: tile_sums<4>(xr, x_stride, tile, count, s, prefetch, n); break;
+      case 5: tile_sums<5>(xr, x_stride, tile, count, s, prefetch, n); break;
+      default: tile_sums<6>(xr, x_stride, tile, count, s, prefetch, n); break;
+    }
+  }
+}
+
+// The rows of x as bfloat16 pairs ([rows, pairs] 32-bit words), the last pair's second half zero
+// when the width is odd; x is read as it is when it already has that form.
+struct Pairs {
+  at::Tensor storage;
+  const uint32_t* data;
+  int64_t stride;  // words per row
+};
+
+Pairs bfloat16_pairs(const at::Tensor& x, int64_t pairs) {
+  const int64_t width = x.size(1);
+  if (x.scalar_type() == at::kBFloat16 && width % 2 == 0 && x.stride(1) == 1 &&
+      x.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0) {
+    return {x, reinterpret_cast<const uint32_t*>(x.data_ptr()), x.stride(0) / 2};
+  }
+  at::Tensor padded = at::zeros({x.size(0), 2 * pairs}, x.options().dtype(at::kBFloat16));
+  padded.narrow(1, 0, width).copy_(x);
+  return {padded, reinterpret_cast<const uint32_t*>(padded.data_ptr()), pairs};
+}
+
+// For each run of `group` consecutive tiles of `packed`, in parallel: every row's float32 sums
+// ([group][rows][64]) handed to finish(first tile, sums).
+template <typename Finish>
+void for_each_tile(const at::Tensor& x, const at::Tensor& packed, int64_t group, Finish finish) {
+  const int64_t rows = x.size(0), tiles = packed.size(0), count = packed.size(1);
+  const int64_t tile_elements = packed.numel() / tiles;
+  auto run = [&](auto x_data, int64_t x_stride, auto w_data) {
+    at::parallel_for(0, tiles / group, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> sums(group * rows * kTile);
+      for (int64_t task = begin; task < end; ++task) {
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t t = task * group + g;
+          const auto* next = t + 1 < end * group ? w_data + (t + 1) * tile_elements : nullptr;
+          tile_all_rows(x_data, rows, x_stride, w_data + t * tile_elements, count, next,
+                        sums.data() + g * rows * kTile);
+        }
+        finish(task * group, sums.data());
+      }
+    });
+  };
+  if (packed.scalar_type() == at::kBFloat16) {
+#if defined(__AVX512BF16__)
+    const Pairs pairs = bfloat16_pairs(x, count);
+    run(pairs.data, pairs.stride, packed.data_ptr<c10::BFloat16>());
+#endif
+  } else {
+#if defined(__AVX512F__)
+    const at::Tensor xf = x.to(at::kFloat);
+    TORCH_CHECK(xf.stride(1) == 1, "x must have contiguous rows");
+    run(xf.data_ptr<float>(), xf.stride(0), packed.data_ptr<float>());
+#endif
+  }
+}
+
+void check_packed(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be a float32 or bfloat16 CPU matrix");
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 ? kBFloat16Kernel : kFloat32Kernel,
+              "this CPU build has no packed linear kernel for ", packed.scalar_type());
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() == (bf16 ? 4 : 3) &&
+                  packed.size(-1) == (bf16 ? 2 : kTile) && out_features > 0 &&
+                  out_features <= packed.size(0) * kTile,
+              "not a packed weight (pack_linear_weight) of that many outputs");
+  const int64_t inputs = packed_inputs(packed);
+  TORCH_CHECK(x.size(1) == inputs || (bf16 && x.size(1) == inputs - 1),
+              "x has ", x.size(1), " columns; the packed weight takes ", inputs);
+}
+
+// Writes a tile's sums to out[:, 64 t : 64 t + 64] (the columns that exist), rounded to out_t.
+template <typename out_t>
+void store_tile(const float* sums, int64_t rows, int64_t t, int64_t out_features, out_t* out) {
+  const int64_t first = t * kTile, n = std::min(kTile, out_features - first);
+  for (int64_t r = 0; r < rows; ++r) {
+    out_t* dst = out + r * out_features + first;
+    const float* src = sums + r * kTile;
+    for (int64_t o = 0; o < n; ++o) {
+      dst[o] = static_cast<out_t>(src[o]);
+    }
+  }
+}
+
+// gelu with the tanh approximation, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), with
+// tanh(u) = sign(u) (1 - e) / (1 + e), e = exp(-2 |u|).
+inline float gelu_tanh(float x) {
+  const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  const float e = exp_nonpositive(-2.f * std::fabs(u));
+  const float t = std::copysign((1.f - e) / (1.f + e), u);
+  return 0.5f * x * (1.f + t);
+}
+
+// ---- The ops ----
+
+bool packed_linear_supported(at::ScalarType dtype) {
+  return dtype == at::kBFloat16 ? kBFloat16Kernel : dtype == at::kFloat && kFloat32Kernel;
+}
+
+// weight [O, I] float32 or bfloat16 -> tiles of 64 outputs ([ceil(O / 64), I, 64] float32, or
+// [ceil(O / 64), ceil(I / 2), 64, 2] bfloat16), zero-padded past the last output and input.
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu() &&
+                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "weight must be a float32 or bfloat16 CPU matrix");
+  const at::Tensor w = weight.contiguous();
+  const int64_t outputs = w.size(0), inputs = w.size(1);
+  const int64_t tiles = (outputs + kTile - 1) / kTile;
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
+  const int64_t group = bf16 ? 2 : 1;  // inputs side by side per output
+  const int64_t units = (inputs + group - 1) / group;
+  at::Tensor packed = bf16 ? at::zeros({tiles, units, kTile, 2}, w.options())
+                           : at::zeros({tiles, units, kTile}, w.options());
+  const int64_t element = w.element_size();
+  const auto* src = static_cast<const char*>(w.data_ptr());
+  auto* dst = static_cast<char*>(packed.data_ptr());
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t o = 0; o < kTile && t * kTile + o < outputs; ++o) {
+        for (int64_t i = 0; i < inputs; ++i) {
+          const int64_t at = ((t * units + i / group) * kTile + o) * group + i % group;
+          std::memcpy(dst + at * element, src + ((t * kTile + o) * inputs + i) * element,
+                      element);
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+// x [rows, I] @ W.T for W packed by pack_linear_weight: [rows, out_features] float32, or
+// bfloat16 with bf16_out.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         bool bf16_out) {
+  check_packed(x, packed, out_features);
+  const int64_t rows = x.size(0);
+  at::Tensor out =
+      at::empty({rows, out_features}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  if (rows == 0) {
+    return out;
+  }
+  if (bf16_out) {
+    auto* o = out.data_ptr<c10::BFloat16>();
+    for_each_tile(x, packed, 1, [&](int64_t t, const float* sums) {
+      store_tile(sums, rows, t, out_features, o);
+    });
+  } else {
+    float* o = out.data_ptr<float>();
+    for_each_tile(x, packed, 1, [&](int64_t t, const float* sums) {
+      store_tile(sums, rows, t, out_features, o);
+    });
+  }
+  return out;
+}
+
+// Gemma's MLP, down(gelu_tanh(gate(x)) * up(x)), over bfloat16 packed weights, rounded where
+// BFloat16GatedMLP's oneDNN GEMMs round: the activation gelu(gate sums) to bfloat16, the product
+// (up sums times it) to bfloat16, the output to bfloat16. gate_up packs gate's and up's rows in
+// alternating runs of 64 (tile 2 t: gate's outputs 64 t.., tile 2 t + 1: up's), so one task has
+// both halves of its outputs. x [rows, I] float32 or bfloat16; returns [rows, out_features]
+// bfloat16.
+at::Tensor packed_gated_mlp(const at::Tensor& x, const at::Tensor& gate_up,
+                            const at::Tensor& down, int64_t hidden, int64_t out_features) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && down.scalar_type() == at::kBFloat16 &&
+                  gate_up.size(0) % 2 == 0 && hidden <= gate_up.size(0) / 2 * kTile,
+              "the MLP's packed weights must be bfloat16, gate and up in alternate tiles");
+  check_packed(x, gate_up, 2 * hidden);
+  const int64_t rows = x.size(0);
+  at::Tensor product = at::zeros({rows, packed_inputs(down)}, x.options().dtype(at::kBFloat16));
+  check_packed(product, down, out_features);
+  at::Tensor out = at::empty({rows, out_features}, product.options());
+  if (rows == 0) {
+    return out;
+  }
+  auto* p = product.data_ptr<c10::BFloat16>();
+  const int64_t width = product.size(1);
+  for_each_tile(x, gate_up, 2, [&](int64_t tile, const float* sums) {
+    const int64_t first = tile / 2 * kTile, n = std::min(kTile, hidden - first);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* g = sums + r * kTile;
+      const float* u = sums + (rows + r) * kTile;
+      c10::BFloat16* dst = p + r * width + first;
+      for (int64_t o = 0; o < n; ++o) {
+        const float activation = static_cast<float>(static_cast<c10::BFloat16>(gelu_tanh(g[o])));
+        dst[o] = static_cast<c10::BFloat16>(u[o] * activation);
+      }
+    }
+  });
+  auto* o = out.data_ptr<c10::BFloat16>();
+  for_each_tile(product, down, 1, [&](int64_t t, const float* sums) {
+    store_tile(sums, rows, t, out_features, o);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(gemma_cpu, m) {
+  m.def("packed_linear_supported(ScalarType dtype) -> bool");
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int out_features, bool bf16_out) -> Tensor");
+  m.def(
+      "packed_gated_mlp(Tensor x, Tensor gate_up, Tensor down, int hidden, int out_features) "
+      "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(gemma_cpu, CPU, m) {
+  m.impl("pack_linear_weight", &pack_linear_weight);
+  m.impl("packed_linear", &packed_linear);
+  m.impl("packed_gated_mlp", &packed_gated_mlp);
+}
+
+TORCH_LIBRARY_IMPL(gemma_cpu, CompositeExplicitAutograd, m) {
+  m.impl("packed_linear_supported", &packed_linear_supported);
+}

@@ -1,0 +1,27 @@
+// Scalar maths the kernels of cpu_ops.cpp and packed_linear.cpp share, in forms the compiler
+// vectorizes.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+// exp(x) for x <= 0 (a score minus its row's maximum), in a form the compiler vectorizes:
+// 2^(x log2 e) = 2^n * 2^f with n the nearest integer and f in [-0.5, 0.5], 2^f by Cephes'
+// exp2f polynomial (relative error about 2e-7). Below -87 it returns exp(-87), about 1.6e-38.
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.f) * 1.44269504088896341f;
+  const int32_t n = static_cast<int32_t>(t - 0.5f);  // t <= 0: truncation rounds to nearest
+  const float f = t - static_cast<float>(n);
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  const int32_t bits = (n + 127) << 23;
+  float power;
+  std::memcpy(&power, &bits, 4);
+  return p * power;
+}

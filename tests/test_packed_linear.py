@@ -1,0 +1,169 @@
+"""cpu_ops' packed linear kernels (csrc/packed_linear.cpp) against float64 and oneDNN, and the
+linear modules that run them: PackedLinear (float32) at every row count, BFloat16Linear and
+BFloat16GatedMLP for a single row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model import cpu_ops
+from engine.model.linear_kernels import (
+    PACKED_BF16_MAX_ROWS,
+    BFloat16GatedMLP,
+    BFloat16Linear,
+    PackedLinear,
+    _alternate_tiles,
+    warm_up,
+)
+from tests.conftest import needs_bf16
+
+
+def needs_packed(dtype: torch.dtype) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(
+        not cpu_ops.packed_linear_supported(dtype),
+        reason=f"this CPU build has no packed linear kernel for {dtype}",
+    )
+
+
+def random(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The largest distance between two bfloat16 tensors in units of the last place."""
+    bits_a = a.view(torch.int16).int()
+    bits_b = b.view(torch.int16).int()
+    # Map the sign-magnitude bits onto a line so that neighbours differ by one.
+    line_a = torch.where(bits_a < 0, -32768 - bits_a, bits_a)
+    line_b = torch.where(bits_b < 0, -32768 - bits_b, bits_b)
+    return int((line_a - line_b).abs().max())
+
+
+# Outputs: whole tiles of 64, a partial last tile, fewer than one tile. Inputs: even and odd.
+# Rows: 1-6 fill one register block each; 7, 13 and 40 run several blocks over each tile, the
+# later ones prefetching the next tile.
+SHAPES = [(128, 64), (100, 33), (37, 640)]
+ROWS = [1, 2, 5, 6, 7, 13, 40]
+
+
+@needs_packed(torch.float32)
+@pytest.mark.parametrize("outputs, inputs", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_float32_against_float64(outputs: int, inputs: int, rows: int) -> None:
+    weight, x = random(outputs, inputs, seed=outputs), random(rows, inputs, seed=rows)
+    out = cpu_ops.packed_linear(x, cpu_ops.pack_linear_weight(weight), outputs)
+    assert out.dtype == torch.float32 and out.shape == (rows, outputs)
+    reference = x.double() @ weight.double().T
+    torch.testing.assert_close(out.double(), reference, rtol=0, atol=1e-5 * inputs**0.5)
+
+
+@needs_packed(torch.bfloat16)
+@pytest.mark.parametrize("outputs, inputs", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_bfloat16_against_float64(outputs: int, inputs: int, rows: int) -> None:
+    """Products of bfloat16 inputs and weights, summed in float32, rounded once to bfloat16:
+    within one unit in the last place of the exact sum rounded the same way."""
+    weight, x = random(outputs, inputs, seed=outputs), random(rows, inputs, seed=rows)
+    packed = cpu_ops.pack_linear_weight(weight.bfloat16())
+    exact = x.bfloat16().double() @ weight.bfloat16().double().T
+    out = cpu_ops.packed_linear(x, packed, outputs, bf16_out=True)
+    assert out.dtype == torch.bfloat16
+    assert bf16_ulps(out, exact.bfloat16()) <= 1
+    # A bfloat16 x is read as it is: the same result.
+    assert torch.equal(cpu_ops.packed_linear(x.bfloat16(), packed, outputs, bf16_out=True), out)
+    # Float32 output: the float32 sums, unrounded.
+    unrounded = cpu_ops.packed_linear(x, packed, outputs)
+    torch.testing.assert_close(unrounded.double(), exact, rtol=0, atol=1e-5 * inputs**0.5)
+
+
+@needs_packed(torch.float32)
+def test_strided_rows_and_no_rows() -> None:
+    """Rows with a stride wider than the row (a column slice) are read in place; zero rows
+    give an empty result."""
+    weight, wide = random(70, 48, seed=1), random(9, 80, seed=2)
+    x = wide[:, 16:64]
+    packed = cpu_ops.pack_linear_weight(weight)
+    torch.testing.assert_close(cpu_ops.packed_linear(x, packed, 70), x @ weight.T)
+    assert cpu_ops.packed_linear(x[:0], packed, 70).shape == (0, 70)
+
+
+@needs_packed(torch.float32)
+def test_bad_input_is_an_error() -> None:
+    packed = cpu_ops.pack_linear_weight(random(64, 32, seed=3))
+    with pytest.raises(RuntimeError, match="columns"):
+        cpu_ops.packed_linear(random(2, 31, seed=4), packed, 64)
+    with pytest.raises(RuntimeError, match="outputs"):
+        cpu_ops.packed_linear(random(2, 32, seed=4), packed, 65)
+
+
+def eager_gated_mlp(x, gate, up, down) -> torch.Tensor:
+    """What BFloat16GatedMLP's oneDNN GEMMs compute, rounded where they round: the gelu of the
+    gate's float32 sums to bfloat16, the up sums times it to bfloat16, the output to
+    bfloat16."""
+    xb = x.bfloat16().double()
+    gate_sums = (xb @ gate.bfloat16().double().T).float()
+    up_sums = (xb @ up.bfloat16().double().T).float()
+    activation = F.gelu(gate_sums, approximate="tanh").bfloat16().float()
+    product = (up_sums * activation).bfloat16()
+    return (product.double() @ down.bfloat16().double().T).bfloat16()
+
+
+@needs_packed(torch.bfloat16)
+@pytest.mark.parametrize("hidden", [128, 100])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_gated_mlp_against_the_eager_roundings(hidden: int, rows: int) -> None:
+    """Within a few units in the last place of the eager reference: the gelu's tanh and the
+    sums' order may move a rounding by one, and that moves the next product."""
+    width = 96
+    gate, up = random(hidden, width, seed=5) * 0.2, random(hidden, width, seed=6) * 0.2
+    down = random(width, hidden, seed=7) * 0.2
+    x = random(rows, width, seed=8)
+    out = cpu_ops.packed_gated_mlp(
+        x,
+        cpu_ops.pack_linear_weight(_alternate_tiles(gate, up).bfloat16()),
+        cpu_ops.pack_linear_weight(down.bfloat16()),
+        hidden,
+        width,
+    )
+    reference = eager_gated_mlp(x, gate, up, down)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, width)
+    torch.testing.assert_close(out.float(), reference.float(), rtol=2e-2, atol=2e-2)
+    assert (out == reference).float().mean() > 0.9
+
+
+@needs_packed(torch.float32)
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_packed_linear_module_runs_the_packed_kernel(rows: int) -> None:
+    weight, x = random(96, 40, seed=9), random(rows, 40, seed=10)
+    module = PackedLinear(weight)
+    assert module.tiles is not None and module.packed is None  # one copy of the weights
+    torch.testing.assert_close(module(x.view(1, rows, 40)), (x @ weight.T).view(1, rows, 96))
+
+
+@needs_packed(torch.float32)
+def test_warm_up_skips_the_packed_kernel() -> None:
+    """cpu_ops' packed kernel builds nothing per shape, so warm_up does not call it."""
+    model = torch.nn.Sequential(PackedLinear(random(24, 8, seed=11)))
+    assert warm_up(model, 20, torch.float32) == 0
+
+
+@needs_bf16
+@needs_packed(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bf16_modules_single_row_against_onednn(dtype: torch.dtype) -> None:
+    """A single row runs cpu_ops' kernels, more rows oneDNN's: the same roundings, so a row's
+    result moves by at most a unit in the last place between the two."""
+    assert PACKED_BF16_MAX_ROWS == 1
+    gate, up, down = (random(*shape, seed=12 + i) * 0.1 for i, shape in
+                      enumerate([(256, 128), (256, 128), (128, 256)]))  # fmt: skip
+    x = random(1, 128, seed=20).to(dtype)
+    linear, mlp = BFloat16Linear(gate), BFloat16GatedMLP(gate, up, down)
+    assert linear.tiles is not None and mlp.down_tiles is not None
+    packed = linear(x), mlp(x)
+    linear.tiles, mlp.down_tiles = None, None  # oneDNN for every row count
+    onednn = linear(x), mlp(x)
+    for ours, theirs in zip(packed, onednn, strict=True):
+        assert ours.dtype == dtype
+        assert bf16_ulps(ours.bfloat16(), theirs.bfloat16()) <= 1
