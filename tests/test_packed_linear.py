@@ -11,8 +11,10 @@ import torch.nn.functional as F
 from engine.model import cpu_ops
 from engine.model.linear_kernels import (
     PACKED_BF16_MAX_ROWS,
+    PACKED_INT8_MAX_ROWS,
     BFloat16GatedMLP,
     BFloat16Linear,
+    OneDNNInt8Linear,
     PackedLinear,
     _alternate_tiles,
     warm_up,
@@ -96,6 +98,46 @@ def test_bad_input_is_an_error() -> None:
         cpu_ops.packed_linear(random(2, 31, seed=4), packed, 64)
     with pytest.raises(RuntimeError, match="outputs"):
         cpu_ops.packed_linear(random(2, 32, seed=4), packed, 65)
+
+
+def int8_reference(x: torch.Tensor, integers: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """OneDNNInt8Linear's quantization by hand: each row to int8 at 127 over its largest
+    magnitude, exact integer sums, then float32 sums * scale * the row's magnitude."""
+    row_max = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    quantized = (x * (127 / row_max)).round()
+    sums = quantized.long() @ integers.long().T
+    return sums.float() * scales * row_max
+
+
+@needs_packed(torch.int8)
+@pytest.mark.parametrize("outputs, inputs", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_int8_equals_its_integers(outputs: int, inputs: int, rows: int) -> None:
+    """The int32 sums are exact (the uint8 offset taken back by the compensation), and the
+    rescale is the reference's float32 operations in the same order: equal bit for bit, the
+    first column 100x larger than the rest as Gemma's first token is."""
+    integers = torch.randint(-127, 128, (outputs, inputs), dtype=torch.int8,
+                             generator=torch.Generator().manual_seed(outputs))  # fmt: skip
+    scales = random(outputs, seed=1).abs() * 1e-3
+    x = random(rows, inputs, seed=rows)
+    x[:, 0] *= 100
+    compensation = (integers.sum(dim=1, dtype=torch.int32) * 128).int()
+    packed = cpu_ops.pack_linear_weight(integers)
+    out = cpu_ops.packed_int8_linear(x, packed, scales, compensation, outputs)
+    assert torch.equal(out, int8_reference(x, integers, scales))
+
+
+@needs_packed(torch.int8)
+@pytest.mark.parametrize("rows", range(1, PACKED_INT8_MAX_ROWS + 1))
+def test_int8_module_few_rows_against_onednn(rows: int) -> None:
+    """Up to PACKED_INT8_MAX_ROWS rows run cpu_ops' kernel, more rows oneDNN's: the same
+    integers, rescaled in the last bit alike."""
+    weight, x = random(200, 96, seed=21) * 0.05, random(rows, 96, seed=22)
+    module = OneDNNInt8Linear(weight)
+    assert module.tiles is not None
+    ours = module(x)
+    module.tiles = None
+    torch.testing.assert_close(ours, module(x), rtol=1e-6, atol=1e-6)
 
 
 def eager_gated_mlp(x, gate, up, down) -> torch.Tensor:

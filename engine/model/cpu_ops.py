@@ -157,13 +157,13 @@ def paged_decode_attention(
 
 def packed_linear_supported(dtype: torch.dtype) -> bool:
     """Whether the kernels were built with packed_linear for `dtype` weights on this CPU
-    (float32 needs AVX-512, bfloat16 AVX512-BF16)."""
+    (float32 needs AVX-512, bfloat16 AVX512-BF16, int8 AVX512-VNNI)."""
     return available() and bool(torch.ops.gemma_cpu.packed_linear_supported(dtype))
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [O, I] (float32 or bfloat16) in packed_linear's layout: tiles of 64 outputs,
-    input by input (bfloat16: by pairs of inputs), zero-padded."""
+    """weight [O, I] (float32, bfloat16 or int8) in packed_linear's layout: tiles of 64
+    outputs, input by input (bfloat16: by pairs of inputs, int8: by fours), zero-padded."""
     return torch.ops.gemma_cpu.pack_linear_weight(weight)
 
 
@@ -174,6 +174,21 @@ def packed_linear(
     [rows, out_features], or bfloat16 with bf16_out. bfloat16 weights multiply x rounded to
     bfloat16; sums are float32."""
     return torch.ops.gemma_cpu.packed_linear(x, packed, out_features, bf16_out)
+
+
+def packed_int8_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    compensation: torch.Tensor,
+    out_features: int,
+) -> torch.Tensor:
+    """x [rows, I] @ W.T for int8 weights packed by pack_linear_weight, each row of x quantized
+    to int8 at its own scale (its largest magnitude to 127), as OneDNNInt8Linear quantizes:
+    float32 [rows, out_features] = the exact int32 sums (less `compensation`, 128 * W's row sums,
+    for the uint8 offset the kernel's instruction takes) * scales (per output) * the row's
+    largest magnitude."""
+    return torch.ops.gemma_cpu.packed_int8_linear(x, packed, scales, compensation, out_features)
 
 
 def packed_gated_mlp(

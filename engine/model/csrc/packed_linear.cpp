@@ -45,10 +45,21 @@ constexpr bool kBFloat16Kernel = true;
 #else
 constexpr bool kBFloat16Kernel = false;
 #endif
+#if defined(__AVX512VNNI__)
+constexpr bool kInt8Kernel = true;
+#else
+constexpr bool kInt8Kernel = false;
+#endif
 
-// Packed weights are [tiles, inputs, 64] float32 or [tiles, pairs, 64, 2] bfloat16.
+// Inputs side by side per output in the packed layout: 1 (float32), 2 (bfloat16: the pairs
+// vdpbf16ps takes), 4 (int8: the quadruples vpdpbusd takes).
+int64_t inputs_per_unit(at::ScalarType dtype) {
+  return dtype == at::kBFloat16 ? 2 : dtype == at::kChar ? 4 : 1;
+}
+
+// Packed weights are [tiles, inputs / unit, 64, unit] ([tiles, inputs, 64] for float32).
 int64_t packed_inputs(const at::Tensor& packed) {
-  return packed.scalar_type() == at::kBFloat16 ? 2 * packed.size(1) : packed.size(1);
+  return inputs_per_unit(packed.scalar_type()) * packed.size(1);
 }
 
 #if defined(__AVX512F__)
@@ -123,16 +134,52 @@ void tile_sums(const uint32_t* x, int64_t x_stride, const c10::BFloat16* w, int6
 }
 #endif
 
+#if defined(__AVX512VNNI__)
+// The same over int8: x as quadruples of uint8 (one 32-bit word each), w = [count][64][4] int8;
+// each vpdpbusd adds 16 outputs' sums of four uint8 x int8 products to int32 accumulators.
+template <int R>
+void tile_sums(const uint32_t* x, int64_t x_stride, const int8_t* w, int64_t count,
+               int32_t* sums, const char* prefetch, int64_t prefetch_lines) {
+  __m512i acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int b = 0; b < 4; ++b) {
+      acc[r][b] = _mm512_setzero_si512();
+    }
+  }
+  for (int64_t q = 0; q < count; ++q) {
+    for (int64_t line = 0; line < prefetch_lines; ++line) {
+      _mm_prefetch(prefetch + (q * prefetch_lines + line) * 64, _MM_HINT_T1);
+    }
+    const int8_t* wq = w + q * 4 * kTile;
+    const __m512i w0 = _mm512_loadu_si512(wq), w1 = _mm512_loadu_si512(wq + 64);
+    const __m512i w2 = _mm512_loadu_si512(wq + 128), w3 = _mm512_loadu_si512(wq + 192);
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[r * x_stride + q]));
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xv, w0);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xv, w1);
+      acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], xv, w2);
+      acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], xv, w3);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int b = 0; b < 4; ++b) {
+      _mm512_storeu_si512(sums + r * kTile + 16 * b, acc[r][b]);
+    }
+  }
+}
+#endif
+
 // Every row's sums for one tile, rows in blocks of up to kMaxRows. The first block reads the
 // tile's weights from memory; the others read them again from the L2 cache (a tile is at most
 // a few hundred KB) and meanwhile prefetch `next`, the tile this thread runs after this one, so
 // memory stays busy while they compute (without, the float32 LM head at 16 rows took 20%
-// longer). x_t is float (float32 weights) or uint32_t (bfloat16 pairs); `step` is the weights'
-// elements per unit of x (64 floats per input, 128 bfloat16 per pair).
-template <typename x_t, typename w_t>
+// longer). x_t is float (float32 weights) or uint32_t (bfloat16 pairs, int8 quadruples); `step`
+// is the weights' elements per unit of x (64 floats per input, 128 bfloat16 per pair, 256 int8
+// per quadruple); sums are float32, or int32 for int8.
+template <typename x_t, typename w_t, typename sum_t>
 void tile_all_rows(const x_t* x, int64_t rows, int64_t x_stride, const w_t* tile, int64_t count,
-                   const w_t* next, float* sums) {
-  constexpr int64_t step = std::is_same_v<w_t, float> ? kTile : 2 * kTile;
+                   const w_t* next, sum_t* sums) {
+  constexpr int64_t step = kTile * (4 / static_cast<int64_t>(sizeof(w_t)));
   const int64_t blocks = (rows + kMaxRows - 1) / kMaxRows;
   const int64_t lines = count * step * static_cast<int64_t>(sizeof(w_t)) / 64;
   const int64_t per_block = blocks > 1 && next != nullptr ? (lines + blocks - 2) / (blocks - 1) : 0;
@@ -140,7 +187,7 @@ void tile_all_rows(const x_t* x, int64_t rows, int64_t x_stride, const w_t* tile
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t r = b * kMaxRows;
     const x_t* xr = x + r * x_stride;
-    float* s = sums + r * kTile;
+    sum_t* s = sums + r * kTile;
     const int64_t first_line = (b - 1) * per_block;
     const int64_t n = b > 0 && first_line < lines ? per_unit : 0;
     const char* prefetch = n > 0 ? reinterpret_cast<const char*>(next) + first_line * 64 : nullptr;
@@ -174,37 +221,53 @@ Pairs bfloat16_pairs(const at::Tensor& x, int64_t pairs) {
   return {padded, reinterpret_cast<const uint32_t*>(padded.data_ptr()), pairs};
 }
 
-// For each run of `group` consecutive tiles of `packed`, in parallel: every row's float32 sums
-// ([group][rows][64]) handed to finish(first tile, sums).
+// For each run of `group` consecutive tiles of the packed weights w ([tiles][count] units of
+// x per tile), in parallel: every row's sums ([group][rows][64], sum_t) handed to
+// finish(first tile, sums).
+template <typename sum_t, typename x_t, typename w_t, typename Finish>
+void run_tiles(const x_t* x, int64_t rows, int64_t x_stride, const w_t* w, int64_t tiles,
+               int64_t count, int64_t group, Finish finish) {
+  const int64_t tile_elements = count * kTile * (4 / static_cast<int64_t>(sizeof(w_t)));
+  at::parallel_for(0, tiles / group, 1, [&](int64_t begin, int64_t end) {
+    std::vector<sum_t> sums(group * rows * kTile);
+    for (int64_t task = begin; task < end; ++task) {
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t t = task * group + g;
+        const w_t* next = t + 1 < end * group ? w + (t + 1) * tile_elements : nullptr;
+        tile_all_rows(x, rows, x_stride, w + t * tile_elements, count, next,
+                      sums.data() + g * rows * kTile);
+      }
+      finish(task * group, sums.data());
+    }
+  });
+}
+
+// run_tiles over float32 or bfloat16 packed weights, with x in the form their kernel reads.
 template <typename Finish>
 void for_each_tile(const at::Tensor& x, const at::Tensor& packed, int64_t group, Finish finish) {
   const int64_t rows = x.size(0), tiles = packed.size(0), count = packed.size(1);
-  const int64_t tile_elements = packed.numel() / tiles;
-  auto run = [&](auto x_data, int64_t x_stride, auto w_data) {
-    at::parallel_for(0, tiles / group, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> sums(group * rows * kTile);
-      for (int64_t task = begin; task < end; ++task) {
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t t = task * group + g;
-          const auto* next = t + 1 < end * group ? w_data + (t + 1) * tile_elements : nullptr;
-          tile_all_rows(x_data, rows, x_stride, w_data + t * tile_elements, count, next,
-                        sums.data() + g * rows * kTile);
-        }
-        finish(task * group, sums.data());
-      }
-    });
-  };
   if (packed.scalar_type() == at::kBFloat16) {
 #if defined(__AVX512BF16__)
     const Pairs pairs = bfloat16_pairs(x, count);
-    run(pairs.data, pairs.stride, packed.data_ptr<c10::BFloat16>());
+    run_tiles<float>(pairs.data, rows, pairs.stride, packed.data_ptr<c10::BFloat16>(), tiles,
+                     count, group, finish);
 #endif
   } else {
 #if defined(__AVX512F__)
     const at::Tensor xf = x.to(at::kFloat);
     TORCH_CHECK(xf.stride(1) == 1, "x must have contiguous rows");
-    run(xf.data_ptr<float>(), xf.stride(0), packed.data_ptr<float>());
+    run_tiles<float>(xf.data_ptr<float>(), rows, xf.stride(0), packed.data_ptr<float>(), tiles,
+                     count, group, finish);
 #endif
+  }
+}
+
+bool packed_linear_supported(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return kFloat32Kernel;
+    case at::kBFloat16: return kBFloat16Kernel;
+    case at::kChar: return kInt8Kernel;
+    default: return false;
   }
 }
 
@@ -212,16 +275,16 @@ void check_packed(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be a float32 or bfloat16 CPU matrix");
-  const bool bf16 = packed.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 ? kBFloat16Kernel : kFloat32Kernel,
+  TORCH_CHECK(packed_linear_supported(packed.scalar_type()),
               "this CPU build has no packed linear kernel for ", packed.scalar_type());
-  TORCH_CHECK(packed.is_contiguous() && packed.dim() == (bf16 ? 4 : 3) &&
-                  packed.size(-1) == (bf16 ? 2 : kTile) && out_features > 0 &&
+  const int64_t unit = inputs_per_unit(packed.scalar_type());
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() == (unit > 1 ? 4 : 3) &&
+                  packed.size(-1) == (unit > 1 ? unit : kTile) && out_features > 0 &&
                   out_features <= packed.size(0) * kTile,
               "not a packed weight (pack_linear_weight) of that many outputs");
   const int64_t inputs = packed_inputs(packed);
-  TORCH_CHECK(x.size(1) == inputs || (bf16 && x.size(1) == inputs - 1),
-              "x has ", x.size(1), " columns; the packed weight takes ", inputs);
+  TORCH_CHECK(x.size(1) <= inputs && x.size(1) > inputs - unit, "x has ", x.size(1),
+              " columns; the packed weight takes ", inputs);
 }
 
 // Writes a tile's sums to out[:, 64 t : 64 t + 64] (the columns that exist), rounded to out_t.
@@ -248,24 +311,21 @@ inline float gelu_tanh(float x) {
 
 // ---- The ops ----
 
-bool packed_linear_supported(at::ScalarType dtype) {
-  return dtype == at::kBFloat16 ? kBFloat16Kernel : dtype == at::kFloat && kFloat32Kernel;
-}
-
-// weight [O, I] float32 or bfloat16 -> tiles of 64 outputs ([ceil(O / 64), I, 64] float32, or
-// [ceil(O / 64), ceil(I / 2), 64, 2] bfloat16), zero-padded past the last output and input.
+// weight [O, I] float32, bfloat16 or int8 -> tiles of 64 outputs ([ceil(O / 64), I, 64]
+// float32, [ceil(O / 64), ceil(I / 2), 64, 2] bfloat16, [ceil(O / 64), ceil(I / 4), 64, 4]
+// int8), zero-padded past the last output and input.
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu() &&
-                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
-              "weight must be a float32 or bfloat16 CPU matrix");
+                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16 ||
+                   weight.scalar_type() == at::kChar),
+              "weight must be a float32, bfloat16 or int8 CPU matrix");
   const at::Tensor w = weight.contiguous();
   const int64_t outputs = w.size(0), inputs = w.size(1);
   const int64_t tiles = (outputs + kTile - 1) / kTile;
-  const bool bf16 = w.scalar_type() == at::kBFloat16;
-  const int64_t group = bf16 ? 2 : 1;  // inputs side by side per output
+  const int64_t group = inputs_per_unit(w.scalar_type());
   const int64_t units = (inputs + group - 1) / group;
-  at::Tensor packed = bf16 ? at::zeros({tiles, units, kTile, 2}, w.options())
-                           : at::zeros({tiles, units, kTile}, w.options());
+  at::Tensor packed = group > 1 ? at::zeros({tiles, units, kTile, group}, w.options())
+                                : at::zeros({tiles, units, kTile}, w.options());
   const int64_t element = w.element_size();
   const auto* src = static_cast<const char*>(w.data_ptr());
   auto* dst = static_cast<char*>(packed.data_ptr());
@@ -287,6 +347,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 // bfloat16 with bf16_out.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          bool bf16_out) {
+  TORCH_CHECK(packed.scalar_type() != at::kChar, "int8 weights run packed_int8_linear");
   check_packed(x, packed, out_features);
   const int64_t rows = x.size(0);
   at::Tensor out =
@@ -305,6 +366,62 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
       store_tile(sums, rows, t, out_features, o);
     });
   }
+  return out;
+}
+
+// x [rows, I] @ W.T for int8 weights W packed by pack_linear_weight, quantized as
+// OneDNNInt8Linear quantizes: each row scaled so its largest magnitude is 127 and rounded to
+// int8 (to nearest even), stored as uint8 q + 128; the products summed exactly in int32, less
+// compensation[o] = 128 * sum_i W[o, i]; then float(sum) * scales[o] (the weight's scale over
+// 127) * the row's largest magnitude. Returns [rows, out_features] float32.
+at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed,
+                              const at::Tensor& scales, const at::Tensor& compensation,
+                              int64_t out_features) {
+  TORCH_CHECK(packed.scalar_type() == at::kChar, "the packed weight must be int8");
+  check_packed(x, packed, out_features);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.numel() == out_features && compensation.scalar_type() == at::kInt &&
+                  compensation.is_contiguous() && compensation.numel() == out_features,
+              "scales (float32) and compensation (int32) need one value per output");
+  const int64_t rows = x.size(0), count = packed.size(1), width = x.size(1);
+  at::Tensor out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
+  if (rows == 0) {
+    return out;
+  }
+#if defined(__AVX512VNNI__)
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor quantized = at::full({rows, 4 * count}, 128, x.options().dtype(at::kByte));
+  std::vector<float> row_max(rows);
+  const float* in = xf.data_ptr<float>();
+  uint8_t* q = quantized.data_ptr<uint8_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = in + r * width;
+    float top = 0.f;
+    for (int64_t i = 0; i < width; ++i) {
+      top = std::max(top, std::fabs(xr[i]));
+    }
+    row_max[r] = std::max(top, 1e-12f);
+    const float scale = 127.f / row_max[r];
+    for (int64_t i = 0; i < width; ++i) {
+      q[r * 4 * count + i] = static_cast<uint8_t>(std::nearbyint(xr[i] * scale) + 128.f);
+    }
+  }
+  const float* sc = scales.data_ptr<float>();
+  const int32_t* comp = compensation.data_ptr<int32_t>();
+  float* o = out.data_ptr<float>();
+  run_tiles<int32_t>(reinterpret_cast<const uint32_t*>(q), rows, count,
+                     packed.data_ptr<int8_t>(), packed.size(0), count, 1,
+                     [&](int64_t t, const int32_t* sums) {
+                       const int64_t first = t * kTile, n = std::min(kTile, out_features - first);
+                       for (int64_t r = 0; r < rows; ++r) {
+                         for (int64_t j = 0; j < n; ++j) {
+                           const int32_t exact = sums[r * kTile + j] - comp[first + j];
+                           o[r * out_features + first + j] =
+                               static_cast<float>(exact) * sc[first + j] * row_max[r];
+                         }
+                       }
+                     });
+#endif
   return out;
 }
 
@@ -355,6 +472,9 @@ TORCH_LIBRARY_FRAGMENT(gemma_cpu, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int out_features, bool bf16_out) -> Tensor");
   m.def(
+      "packed_int8_linear(Tensor x, Tensor packed, Tensor scales, Tensor compensation, "
+      "int out_features) -> Tensor");
+  m.def(
       "packed_gated_mlp(Tensor x, Tensor gate_up, Tensor down, int hidden, int out_features) "
       "-> Tensor");
 }
@@ -362,6 +482,7 @@ TORCH_LIBRARY_FRAGMENT(gemma_cpu, m) {
 TORCH_LIBRARY_IMPL(gemma_cpu, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("packed_linear", &packed_linear);
+  m.impl("packed_int8_linear", &packed_int8_linear);
   m.impl("packed_gated_mlp", &packed_gated_mlp);
 }
 
