@@ -274,6 +274,9 @@ inline __m512 load16(const c10::BFloat16* src) {
 // minimum there): it is skipped, never read.
 constexpr float kMasked = -1e30f;
 
+// Keys ahead of the one being scored whose rows decode attention prefetches.
+constexpr int64_t kPrefetchAhead = 4;
+
 // One (sequence, KV head) of decode attention: its `group` query heads q ([group, D]), keys and
 // values at `slots` in the pools (row stride `pool_stride`), additive `mask` over the keys.
 // `scores` ([group, keys]) and `row` ([D]) are scratch; writes out ([group, D]).
@@ -282,9 +285,21 @@ void attend_one(const float* q, const kv_t* keys_at, const kv_t* values_at, int6
                 const int64_t* slots, const float* mask, int64_t keys, int64_t group,
                 int64_t head_dim, float scale, float* scores, float* row, float* out) {
   const int64_t d = head_dim;
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(kv_t));
   // Scores. With AVX-512, four query heads share each load of a key, in four independent
   // accumulators (one dependent chain per dot product would leave the FMA units waiting).
   for (int64_t k = 0; k < keys; ++k) {
+    // Keys and values sit at scattered slots, which the hardware does not prefetch: ask for
+    // the key a few rows ahead, and for its value (read after the softmax) into L2.
+    if (k + kPrefetchAhead < keys && mask[k + kPrefetchAhead] > kMasked) {
+      const int64_t ahead = slots[k + kPrefetchAhead] * pool_stride;
+      const char* key_row = reinterpret_cast<const char*>(keys_at + ahead);
+      const char* value_row = reinterpret_cast<const char*>(values_at + ahead);
+      for (int64_t line = 0; line < row_bytes; line += 64) {
+        __builtin_prefetch(key_row + line, 0, 3);
+        __builtin_prefetch(value_row + line, 0, 2);
+      }
+    }
     if (mask[k] <= kMasked) {
       continue;
     }
