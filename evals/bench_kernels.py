@@ -1,11 +1,13 @@
 """The linear kernels of each weight mode on the embedded model's own shapes, timed in turns.
 
-For every kernel module the server can run (engine/model/linear_kernels.py) and every row
-count, the time of one call on a weight of the LM head's shape (262,144 x 640, tied to the
-embedding) and of one decoder layer's linears (the fused q/k/v, o, fused gate/up and down
-projections of Gemma 3 270M), with random weights and inputs of the model's scale. Each layer
-shape is timed through the model's 18 layers, each with its own weights, and divided by 18: one
-layer's weights alone would stay in the CPU's cache from call to call, which decode never sees.
+For every kernel module the server can run (engine/model/linear_kernels.py), as the server runs
+it and, where it switches to cpu_ops' packed kernels at some row counts, with oneDNN alone, and
+for every row count: the time of one call on a weight of the LM head's shape (262,144 x 640,
+tied to the embedding) and of one decoder layer's linears (the fused q/k/v, o, fused gate/up
+and down projections of Gemma 3 270M), with random weights and inputs of the model's scale.
+Each layer shape is timed through the model's 18 layers, each with its own weights, and divided
+by 18: one layer's weights alone would stay in the CPU's cache from call to call, which decode
+never sees.
 
 On a shared machine the speed drifts by tens of percent within minutes, so the kernels are
 timed in turns: each round calls every kernel once per shape and row count, in a shuffled
@@ -61,12 +63,36 @@ SHAPES = {  # (out_features, in_features)
 }
 Call = Callable[[torch.Tensor], torch.Tensor]
 Key = TypeVar("Key", bound=Hashable)
-# Both int8 libraries, whichever `int8` picks on this CPU (int8_linear_class).
+
+
+def float32_onednn(weight: torch.Tensor) -> Call:
+    """Float32 weights reordered for oneDNN (what PackedLinear runs without cpu_ops' tiles)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def onednn_only(module_class: type[BFloat16Linear] | type[OneDNNInt8Linear]):
+    """module_class with its cpu_ops tiles dropped: oneDNN at every row count."""
+
+    def build(weight: torch.Tensor) -> Call:
+        module = module_class(weight)
+        module.tiles = None
+        return module
+
+    return build
+
+
+# Each kernel as the server runs it, and oneDNN alone where the server runs cpu_ops' packed
+# kernels at some row counts (PackedLinear: all; bf16: 1 row; oneDNN int8: 1-2 rows). Both int8
+# libraries, whichever `int8` picks on this CPU (int8_linear_class).
 KERNELS: dict[str, Callable[[torch.Tensor], Call]] = {
     "exact (float32 F.linear)": lambda w: lambda x: F.linear(x, w),
-    "packed (float32 oneDNN)": PackedLinear,
-    "bf16 (oneDNN)": BFloat16Linear,
-    "int8 (oneDNN)": OneDNNInt8Linear,
+    "packed (float32, as served)": PackedLinear,
+    "packed (float32, oneDNN)": float32_onednn,
+    "bf16 (as served)": BFloat16Linear,
+    "bf16 (oneDNN)": onednn_only(BFloat16Linear),
+    "int8 (oneDNN, as served)": OneDNNInt8Linear,
+    "int8 (oneDNN only)": onednn_only(OneDNNInt8Linear),
     "int8 (fbgemm)": DynamicInt8Linear,
 }
 
