@@ -152,20 +152,23 @@ def test_bfloat16_activations_in_and_out() -> None:
 
 @needs_bf16
 def test_bfloat16_handover_changes_no_logit() -> None:
-    """Under bf16 layers the norms hand bfloat16 to the GEMMs, which would round to it anyway:
-    the logits equal those of the same model passing float32, bit for bit."""
+    """Under bf16 layers the norms hand bfloat16 to the GEMMs, and the attention's output
+    projection to the residual add, all of which would round to it anyway: the logits equal
+    those of the same model passing float32, bit for bit. Decode steps of one row run cpu_ops'
+    packed kernels, the prefill oneDNN's: both hand over."""
     config = full_featured_config()
     weights = hf_model(config, seed=4).state_dict()
     handed = CustomBackend(config, weights, CPU, torch.float32, 256, "bf16")
     layers = list(handed.model.model.layers)
-    assert all(layer.bf16_activations for layer in layers)
+    assert all(layer.bf16_activations and layer.self_attn.o_proj.bf16_out for layer in layers)
     float_io = CustomBackend(config, weights, CPU, torch.float32, 256, "bf16")
     for layer in float_io.model.model.layers:
         layer.bf16_activations = layer.input_layernorm.bf16_out = False
+        layer.self_attn.o_proj.bf16_out = False
 
     def logits(backend: CustomBackend) -> list[torch.Tensor]:
         driver = PagedDriver(backend)
-        steps = [{0: [5, 9, 2, 7, 1, 3, 8], 1: [4, 4, 6]}, {0: [11], 1: [12]}]
+        steps = [{0: [5, 9, 2, 7, 1, 3, 8], 1: [4, 4, 6]}, {0: [11], 1: [12]}, {0: [13]}]
         return [out for tokens in steps for out in driver.step(tokens)[0].values()]
 
     for a, b in zip(logits(handed), logits(float_io), strict=True):
@@ -180,6 +183,27 @@ def test_bad_inputs_are_refused() -> None:
         cpu_ops.rms_norm(x, torch.ones(4), EPS)
     with pytest.raises(RuntimeError, match="columns"):
         cpu_ops.norm_rope(x, 4, 1, 8, torch.ones(8), torch.ones(2, 8), torch.ones(2, 8), EPS)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("value_dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_equals_index_copy_of_the_cast_rows(pool_dtype, value_dtype) -> None:
+    """Keys contiguous, values a column slice of a wider projection (strided rows), written at
+    scattered slots: the pools end up as index_copy_ of the rows cast to their dtype leaves
+    them, bit for bit (the cast rounds to nearest even, as the kernel does)."""
+    generator = torch.Generator().manual_seed(7)
+    keys = torch.randn(5, 2, 8, generator=generator)
+    projection = torch.randn(5, 40, generator=generator).to(value_dtype)
+    values = projection[:, 16:32].view(5, 2, 8)
+    slots = torch.tensor([9, 0, 31, 4, 17])
+    pools = [torch.randn(32, 2, 8, generator=generator).to(pool_dtype) for _ in range(2)]
+    expected = [pool.clone() for pool in pools]
+    expected[0].index_copy_(0, slots, keys.to(pool_dtype))
+    expected[1].index_copy_(0, slots, values.to(pool_dtype))
+    cpu_ops.store_kv(pools[0], pools[1], slots, keys, values)
+    assert torch.equal(pools[0], expected[0]) and torch.equal(pools[1], expected[1])
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_ops.store_kv(pools[0], pools[1], torch.tensor([32]), keys[:1], values[:1])
 
 
 def fused_flags(backend: CustomBackend) -> set[bool]:

@@ -155,6 +155,19 @@ def paged_decode_attention(
     )
 
 
+def store_kv(
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    slots: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """pool[slots[n]] = rows[n] for the keys and values ([N, Hkv, D], float32 or bfloat16) of one
+    layer, rounded to the pools' dtype as a cast rounds: what index_copy_ of the cast rows
+    stores, in one op."""
+    torch.ops.gemma_cpu.store_kv(key_pool, value_pool, slots, keys, values)
+
+
 def packed_linear_supported(dtype: torch.dtype) -> bool:
     """Whether the kernels were built with packed_linear for `dtype` weights on this CPU
     (float32 needs AVX-512, bfloat16 AVX512-BF16, int8 AVX512-VNNI)."""

@@ -30,6 +30,7 @@ from engine.model.architecture import (
 )
 from engine.model.linear_kernels import (
     BFloat16GatedMLP,
+    BFloat16Linear,
     body_and_head,
     make_fused_mlp,
     make_linear,
@@ -436,8 +437,8 @@ class GemmaForCausalLM(nn.Module):
         through eager ops: the same maths, summed in another order, so never under
         NUMERICS=exact. Where a layer's GEMMs run in bfloat16 (BFloat16Linear and
         BFloat16GatedMLP, which return their input's dtype), the norms before them hand over
-        bfloat16: the GEMMs would round to it anyway, so the values stay the same and the casts
-        go."""
+        bfloat16, and the attention's output projection hands bfloat16 to the residual add: the
+        GEMMs round to it anyway, so the values stay the same and the casts go."""
         for module in self.model.modules():
             if isinstance(module, RMSNorm):
                 module.fused, module.bf16_out = enabled, False
@@ -451,6 +452,9 @@ class GemmaForCausalLM(nn.Module):
             bf16 = enabled and isinstance(layer.mlp.fused, BFloat16GatedMLP)
             layer.fused, layer.bf16_activations = enabled, bf16
             layer.input_layernorm.bf16_out = bf16
+            # The residual add after the attention reads bfloat16 too.
+            if isinstance(layer.self_attn.o_proj, BFloat16Linear):
+                layer.self_attn.o_proj.bf16_out = bf16
 
     def forward(
         self,

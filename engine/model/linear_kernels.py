@@ -200,7 +200,9 @@ def _bf16_tiles(weight: torch.Tensor) -> torch.Tensor | None:
 
 class BFloat16Linear(nn.Module):
     """oneDNN bfloat16 `x @ W.T`: the weight rounded to bfloat16 and reordered once, at load;
-    each call rounds the activations to bfloat16 and the output back to the model's dtype.
+    each call rounds the activations to bfloat16 and the output back to the model's dtype (or
+    leaves it bfloat16 with `bf16_out`, where what reads it takes bfloat16). A single row runs
+    cpu_ops' packed kernel instead (PACKED_BF16_MAX_ROWS), with the same roundings.
 
     oneDNN accumulates in float32 and runs on AMX tiles where the CPU has them (README,
     "Measured performance", has its speed and quality against the other modes). Unlike
@@ -213,16 +215,18 @@ class BFloat16Linear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16().contiguous())
         self.tiles = _bf16_tiles(weight)
+        self.bf16_out = False  # set by GemmaForCausalLM.fuse
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.bfloat16 if self.bf16_out else x.dtype
+        shape = (*x.shape[:-1], self.out_features)
         if self.tiles is not None and x.numel() <= PACKED_BF16_MAX_ROWS * self.in_features:
             rows = x.reshape(-1, self.in_features)
             out = cpu_ops.packed_linear(rows, self.tiles, self.out_features, bf16_out=True)
-            return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+            return out.to(dtype).view(shape)
         rows = padded_rows(x, self.in_features, torch.bfloat16)
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")
-        out = out[: x.numel() // self.in_features].to(x.dtype)
-        return out.view(*x.shape[:-1], self.out_features)
+        return out[: x.numel() // self.in_features].to(dtype).view(shape)
 
 
 class BFloat16GatedMLP(nn.Module):

@@ -221,7 +221,11 @@ class PagedAttentionStep:
         if plan.write_rows is not None:
             keys = keys.index_select(0, plan.write_rows)
             values = values.index_select(0, plan.write_rows)
-        self.cache.write(layer, plan.write_slots, keys, values)
+        if self.paged_decode:  # cpu_ops is there: one op, the same values
+            key_pool, value_pool = self.cache.keys[layer], self.cache.values[layer]
+            cpu_ops.store_kv(key_pool, value_pool, plan.write_slots, keys, values)
+        else:
+            self.cache.write(layer, plan.write_slots, keys, values)
 
     def attend(
         self, kv_layer: int, query: torch.Tensor, scaling: float, softcap: float | None = None

@@ -476,6 +476,51 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   return out;
 }
 
+// A layer's new keys and values written into its pools at `slots`: pool[slots[n]] = rows[n],
+// rounded to the pool's dtype to nearest even as a cast rounds, so the pools hold what
+// index_copy_ of the cast rows would, in one op instead of four. keys and values [N, Hkv, D]
+// float32 or bfloat16, each row's Hkv x D elements contiguous (rows may be strided: the values
+// are columns of the fused projection); pools [S, Hkv, D] float32 or bfloat16.
+void store_kv(at::Tensor& key_pool, at::Tensor& value_pool, const at::Tensor& slots,
+              const at::Tensor& keys, const at::Tensor& values) {
+  TORCH_CHECK(key_pool.is_contiguous() && value_pool.is_contiguous() &&
+                  key_pool.sizes() == value_pool.sizes() && key_pool.dim() == 3,
+              "the pools must be contiguous [S, Hkv, D] and alike");
+  const int64_t width = key_pool.size(1) * key_pool.size(2);
+  const at::Tensor s = slots.contiguous();
+  TORCH_CHECK(s.scalar_type() == at::kLong && s.dim() == 1, "slots must be int64 [N]");
+  const int64_t rows = s.size(0);
+  const int64_t* slot = s.data_ptr<int64_t>();
+  for (int64_t n = 0; n < rows; ++n) {
+    TORCH_CHECK(slot[n] >= 0 && slot[n] < key_pool.size(0), "slot ", slot[n], " out of range");
+  }
+  auto store = [&](at::Tensor& pool, const at::Tensor& input, const char* name) {
+    check_activation(input, name);
+    at::Tensor x = input;
+    if (!(x.dim() == 3 && x.size(1) * x.size(2) == width && x.stride(2) == 1 &&
+          x.stride(1) == x.size(2))) {
+      x = x.reshape({-1, width}).contiguous();
+    }
+    TORCH_CHECK(x.size(0) == rows && x.numel() == rows * width, name, " must be [N, Hkv, D]");
+    const int64_t stride = x.stride(0);
+    with_activation_types(x, pool, [&](auto in_type, auto out_type) {
+      using in_t = decltype(in_type);
+      using out_t = decltype(out_type);
+      const in_t* src = x.data_ptr<in_t>();
+      out_t* dst = pool.data_ptr<out_t>();
+      for (int64_t n = 0; n < rows; ++n) {
+        const in_t* from = src + n * stride;
+        out_t* to = dst + slot[n] * width;
+        for (int64_t i = 0; i < width; ++i) {
+          to[i] = static_cast<out_t>(static_cast<float>(from[i]));
+        }
+      }
+    });
+  };
+  store(key_pool, keys, "keys");
+  store(value_pool, values, "values");
+}
+
 }  // namespace
 
 TORCH_LIBRARY(gemma_cpu, m) {
@@ -489,6 +534,9 @@ TORCH_LIBRARY(gemma_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor key_pool, Tensor value_pool, Tensor slots, "
       "Tensor mask, float scale) -> Tensor");
+  m.def(
+      "store_kv(Tensor(a!) key_pool, Tensor(b!) value_pool, Tensor slots, Tensor keys, "
+      "Tensor values) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(gemma_cpu, CPU, m) {
@@ -496,4 +544,5 @@ TORCH_LIBRARY_IMPL(gemma_cpu, CPU, m) {
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("norm_rope", &norm_rope);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("store_kv", &store_kv);
 }
