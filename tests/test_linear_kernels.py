@@ -120,7 +120,6 @@ def test_warm_up_calls_every_bucket_of_each_onednn_shape_once(
     assert calls == [(out, rows, torch.float32) for out in (24, 40) for rows in row_buckets(20)]
 
 
-
 @pytest.mark.parametrize("rows", [1, 5, 33, 70])
 @pytest.mark.parametrize("kernel", ["packed", bf16_param("bf16"), "int8"])
 def test_kernel_against_float32(kernel: str, rows: int) -> None:
