@@ -63,125 +63,99 @@ int64_t packed_inputs(const at::Tensor& packed) {
   return inputs_per_unit(packed.scalar_type()) * packed.size(1);
 }
 
+// The multiply-add of one weight type, for tile_sums: x_t is the unit of x broadcast to every
+// lane (one float32 input, a pair of bfloat16 inputs or four uint8 ones in a 32-bit word), one
+// unit of weights is four 16-lane vectors (64 outputs), and acc adds to each output lane.
 #if defined(__AVX512F__)
-// sums[r][0..64) (+)= x[r] . w over `count` inputs, for R rows of x (row stride x_stride):
-// float32 weights w = [count][64], from the tile's first input of this block.
-template <int R>
-void tile_sums(const float* x, int64_t x_stride, const float* w, int64_t count, float* sums,
-               const char* prefetch, int64_t prefetch_lines) {
-  __m512 acc[R][4];
+struct Float32Units {  // vfmadd: 16 float32 products per instruction
+  using w_t = float;
+  using x_t = float;
+  using acc_t = __m512;
+  using sum_t = float;
+  static acc_t zero() { return _mm512_setzero_ps(); }
+  static acc_t load(const w_t* w) { return _mm512_loadu_ps(w); }
+  static acc_t broadcast(x_t x) { return _mm512_set1_ps(x); }
+  static acc_t madd(acc_t acc, acc_t x, acc_t w) { return _mm512_fmadd_ps(x, w, acc); }
+  static void store(sum_t* sums, acc_t acc) { _mm512_storeu_ps(sums, acc); }
+};
+#endif
+
+#if defined(__AVX512BF16__)
+struct BFloat16Units {  // vdpbf16ps: 16 outputs x a pair of inputs, summed in float32
+  using w_t = c10::BFloat16;
+  using x_t = uint32_t;
+  using acc_t = __m512;
+  using sum_t = float;
+  static acc_t zero() { return _mm512_setzero_ps(); }
+  static __m512bh load(const w_t* w) { return (__m512bh)_mm512_loadu_si512(w); }
+  static __m512bh broadcast(x_t x) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(x)); }
+  static acc_t madd(acc_t acc, __m512bh x, __m512bh w) { return _mm512_dpbf16_ps(acc, x, w); }
+  static void store(sum_t* sums, acc_t acc) { _mm512_storeu_ps(sums, acc); }
+};
+#endif
+
+#if defined(__AVX512VNNI__)
+struct Int8Units {  // vpdpbusd: 16 outputs x four uint8 x int8 products, summed in int32
+  using w_t = int8_t;
+  using x_t = uint32_t;
+  using acc_t = __m512i;
+  using sum_t = int32_t;
+  static acc_t zero() { return _mm512_setzero_si512(); }
+  static acc_t load(const w_t* w) { return _mm512_loadu_si512(w); }
+  static acc_t broadcast(x_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+  static acc_t madd(acc_t acc, acc_t x, acc_t w) { return _mm512_dpbusd_epi32(acc, x, w); }
+  static void store(sum_t* sums, acc_t acc) { _mm512_storeu_si512(sums, acc); }
+};
+#endif
+
+#if defined(__AVX512F__)
+// sums[r][0..64) = x[r] . w over `count` units of x, for R rows of x (row stride x_stride):
+// w = [count][64 outputs][unit], from the tile's start. Each unit of weights is loaded once and
+// multiplied by every row's broadcast unit of x. Prefetches `prefetch_lines` cache lines from
+// `prefetch` on per unit (see tile_all_rows).
+template <int R, typename Units>
+void tile_sums(const typename Units::x_t* x, int64_t x_stride, const typename Units::w_t* w,
+               int64_t count, typename Units::sum_t* sums, const char* prefetch,
+               int64_t prefetch_lines) {
+  constexpr int64_t lane_elements = 64 / sizeof(typename Units::w_t);  // per 16-lane vector
+  typename Units::acc_t acc[R][4];
   for (int r = 0; r < R; ++r) {
     for (int b = 0; b < 4; ++b) {
-      acc[r][b] = _mm512_setzero_ps();
+      acc[r][b] = Units::zero();
     }
   }
   for (int64_t i = 0; i < count; ++i) {
     for (int64_t line = 0; line < prefetch_lines; ++line) {
       _mm_prefetch(prefetch + (i * prefetch_lines + line) * 64, _MM_HINT_T1);
     }
-    const float* wi = w + i * kTile;
-    const __m512 w0 = _mm512_loadu_ps(wi), w1 = _mm512_loadu_ps(wi + 16);
-    const __m512 w2 = _mm512_loadu_ps(wi + 32), w3 = _mm512_loadu_ps(wi + 48);
+    const typename Units::w_t* wi = w + i * 4 * lane_elements;
+    const auto w0 = Units::load(wi), w1 = Units::load(wi + lane_elements);
+    const auto w2 = Units::load(wi + 2 * lane_elements), w3 = Units::load(wi + 3 * lane_elements);
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * x_stride + i]);
-      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(xv, w2, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(xv, w3, acc[r][3]);
+      const auto xv = Units::broadcast(x[r * x_stride + i]);
+      acc[r][0] = Units::madd(acc[r][0], xv, w0);
+      acc[r][1] = Units::madd(acc[r][1], xv, w1);
+      acc[r][2] = Units::madd(acc[r][2], xv, w2);
+      acc[r][3] = Units::madd(acc[r][3], xv, w3);
     }
   }
   for (int r = 0; r < R; ++r) {
     for (int b = 0; b < 4; ++b) {
-      _mm512_storeu_ps(sums + r * kTile + 16 * b, acc[r][b]);
+      Units::store(sums + r * kTile + 16 * b, acc[r][b]);
     }
   }
 }
-#endif
-
-#if defined(__AVX512BF16__)
-// The same over bfloat16: x as pairs of bfloat16 (one 32-bit word each), w = [count][64][2]
-// pairs; each vdpbf16ps multiplies a pair of inputs by 16 outputs' pair of weights.
-template <int R>
-void tile_sums(const uint32_t* x, int64_t x_stride, const c10::BFloat16* w, int64_t count,
-               float* sums, const char* prefetch, int64_t prefetch_lines) {
-  __m512 acc[R][4];
-  for (int r = 0; r < R; ++r) {
-    for (int b = 0; b < 4; ++b) {
-      acc[r][b] = _mm512_setzero_ps();
-    }
-  }
-  for (int64_t p = 0; p < count; ++p) {
-    for (int64_t line = 0; line < prefetch_lines; ++line) {
-      _mm_prefetch(prefetch + (p * prefetch_lines + line) * 64, _MM_HINT_T1);
-    }
-    const c10::BFloat16* wp = w + p * 2 * kTile;
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
-    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64);
-    const __m512bh w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * x_stride + p]));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
-      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xv, w2);
-      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xv, w3);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int b = 0; b < 4; ++b) {
-      _mm512_storeu_ps(sums + r * kTile + 16 * b, acc[r][b]);
-    }
-  }
-}
-#endif
-
-#if defined(__AVX512VNNI__)
-// The same over int8: x as quadruples of uint8 (one 32-bit word each), w = [count][64][4] int8;
-// each vpdpbusd adds 16 outputs' sums of four uint8 x int8 products to int32 accumulators.
-template <int R>
-void tile_sums(const uint32_t* x, int64_t x_stride, const int8_t* w, int64_t count,
-               int32_t* sums, const char* prefetch, int64_t prefetch_lines) {
-  __m512i acc[R][4];
-  for (int r = 0; r < R; ++r) {
-    for (int b = 0; b < 4; ++b) {
-      acc[r][b] = _mm512_setzero_si512();
-    }
-  }
-  for (int64_t q = 0; q < count; ++q) {
-    for (int64_t line = 0; line < prefetch_lines; ++line) {
-      _mm_prefetch(prefetch + (q * prefetch_lines + line) * 64, _MM_HINT_T1);
-    }
-    const int8_t* wq = w + q * 4 * kTile;
-    const __m512i w0 = _mm512_loadu_si512(wq), w1 = _mm512_loadu_si512(wq + 64);
-    const __m512i w2 = _mm512_loadu_si512(wq + 128), w3 = _mm512_loadu_si512(wq + 192);
-    for (int r = 0; r < R; ++r) {
-      const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[r * x_stride + q]));
-      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xv, w0);
-      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xv, w1);
-      acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], xv, w2);
-      acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], xv, w3);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int b = 0; b < 4; ++b) {
-      _mm512_storeu_si512(sums + r * kTile + 16 * b, acc[r][b]);
-    }
-  }
-}
-#endif
 
 // Every row's sums for one tile, rows in blocks of up to kMaxRows. The first block reads the
 // tile's weights from memory; the others read them again from the L2 cache (a tile is at most
 // a few hundred KB) and meanwhile prefetch `next`, the tile this thread runs after this one, so
-// memory stays busy while they compute (without, the float32 LM head at 16 rows took 20%
-// longer). With a single block, the weights are prefetched kStreamAhead bytes ahead of the
-// loads: the hardware's prefetcher stops at every 4 KB page, and at one row a decode step of
-// the embedded model's bf16 layers and int8 LM head took 11% longer without. x_t is float (float32 weights) or uint32_t (bfloat16 pairs, int8 quadruples); `step`
-// is the weights' elements per unit of x (64 floats per input, 128 bfloat16 per pair, 256 int8
-// per quadruple); sums are float32, or int32 for int8.
-template <typename x_t, typename w_t, typename sum_t>
+// memory stays busy while they compute. With a single block (decode sizes) the weights are
+// prefetched kStreamAhead bytes ahead of the loads: the hardware's prefetcher stops at every
+// 4 KB page. `step` is the weights' elements per unit of x (64 floats per input, 128 bfloat16
+// per pair, 256 int8 per quadruple).
+template <typename Units, typename x_t = typename Units::x_t, typename w_t = typename Units::w_t>
 void tile_all_rows(const x_t* x, int64_t rows, int64_t x_stride, const w_t* tile, int64_t count,
-                   const w_t* next, sum_t* sums) {
+                   const w_t* next, typename Units::sum_t* sums) {
   constexpr int64_t step = kTile * (4 / static_cast<int64_t>(sizeof(w_t)));
   const int64_t blocks = (rows + kMaxRows - 1) / kMaxRows;
   const int64_t lines = count * step * static_cast<int64_t>(sizeof(w_t)) / 64;
@@ -190,7 +164,7 @@ void tile_all_rows(const x_t* x, int64_t rows, int64_t x_stride, const w_t* tile
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t r = b * kMaxRows;
     const x_t* xr = x + r * x_stride;
-    sum_t* s = sums + r * kTile;
+    typename Units::sum_t* s = sums + r * kTile;
     const int64_t first_line = (b - 1) * per_block;
     int64_t n = b > 0 && first_line < lines ? per_unit : 0;
     const char* prefetch = n > 0 ? reinterpret_cast<const char*>(next) + first_line * 64 : nullptr;
@@ -199,15 +173,17 @@ void tile_all_rows(const x_t* x, int64_t rows, int64_t x_stride, const w_t* tile
       prefetch = reinterpret_cast<const char*>(tile) + kStreamAhead;
     }
     switch (std::min(kMaxRows, rows - r)) {
-      case 1: tile_sums<1>(xr, x_stride, tile, count, s, prefetch, n); break;
-      case 2: tile_sums<2>(xr, x_stride, tile, count, s, prefetch, n); break;
-      case 3: tile_sums<3>(xr, x_stride, tile, count, s, prefetch, n); break;
-      case 4: tile_sums<4>(xr, x_stride, tile, count, s, prefetch, n); break;
-      case 5: tile_sums<5>(xr, x_stride, tile, count, s, prefetch, n); break;
-      default: tile_sums<6>(xr, x_stride, tile, count, s, prefetch, n); break;
+      case 1: tile_sums<1, Units>(xr, x_stride, tile, count, s, prefetch, n); break;
+      case 2: tile_sums<2, Units>(xr, x_stride, tile, count, s, prefetch, n); break;
+      case 3: tile_sums<3, Units>(xr, x_stride, tile, count, s, prefetch, n); break;
+      case 4: tile_sums<4, Units>(xr, x_stride, tile, count, s, prefetch, n); break;
+      case 5: tile_sums<5, Units>(xr, x_stride, tile, count, s, prefetch, n); break;
+      default: tile_sums<6, Units>(xr, x_stride, tile, count, s, prefetch, n); break;
     }
   }
 }
+
+#endif
 
 // The rows of x as bfloat16 pairs ([rows, pairs] 32-bit words), the last pair's second half zero
 // when the width is odd; x is read as it is when it already has that form.
@@ -228,26 +204,30 @@ Pairs bfloat16_pairs(const at::Tensor& x, int64_t pairs) {
   return {padded, reinterpret_cast<const uint32_t*>(padded.data_ptr()), pairs};
 }
 
+#if defined(__AVX512F__)
 // For each run of `group` consecutive tiles of the packed weights w ([tiles][count] units of
-// x per tile), in parallel: every row's sums ([group][rows][64], sum_t) handed to
+// x per tile), in parallel: every row's sums ([group][rows][64], float32 or int32) handed to
 // finish(first tile, sums).
-template <typename sum_t, typename x_t, typename w_t, typename Finish>
+template <typename Units, typename Finish, typename x_t = typename Units::x_t,
+          typename w_t = typename Units::w_t>
 void run_tiles(const x_t* x, int64_t rows, int64_t x_stride, const w_t* w, int64_t tiles,
                int64_t count, int64_t group, Finish finish) {
   const int64_t tile_elements = count * kTile * (4 / static_cast<int64_t>(sizeof(w_t)));
   at::parallel_for(0, tiles / group, 1, [&](int64_t begin, int64_t end) {
-    std::vector<sum_t> sums(group * rows * kTile);
+    std::vector<typename Units::sum_t> sums(group * rows * kTile);
     for (int64_t task = begin; task < end; ++task) {
       for (int64_t g = 0; g < group; ++g) {
         const int64_t t = task * group + g;
         const w_t* next = t + 1 < end * group ? w + (t + 1) * tile_elements : nullptr;
-        tile_all_rows(x, rows, x_stride, w + t * tile_elements, count, next,
+        tile_all_rows<Units>(x, rows, x_stride, w + t * tile_elements, count, next,
                       sums.data() + g * rows * kTile);
       }
       finish(task * group, sums.data());
     }
   });
 }
+
+#endif
 
 // run_tiles over float32 or bfloat16 packed weights, with x in the form their kernel reads.
 template <typename Finish>
@@ -256,15 +236,15 @@ void for_each_tile(const at::Tensor& x, const at::Tensor& packed, int64_t group,
   if (packed.scalar_type() == at::kBFloat16) {
 #if defined(__AVX512BF16__)
     const Pairs pairs = bfloat16_pairs(x, count);
-    run_tiles<float>(pairs.data, rows, pairs.stride, packed.data_ptr<c10::BFloat16>(), tiles,
-                     count, group, finish);
+    run_tiles<BFloat16Units>(pairs.data, rows, pairs.stride, packed.data_ptr<c10::BFloat16>(),
+                             tiles, count, group, finish);
 #endif
   } else {
 #if defined(__AVX512F__)
     const at::Tensor xf = x.to(at::kFloat);
     TORCH_CHECK(xf.stride(1) == 1, "x must have contiguous rows");
-    run_tiles<float>(xf.data_ptr<float>(), rows, xf.stride(0), packed.data_ptr<float>(), tiles,
-                     count, group, finish);
+    run_tiles<Float32Units>(xf.data_ptr<float>(), rows, xf.stride(0), packed.data_ptr<float>(),
+                            tiles, count, group, finish);
 #endif
   }
 }
@@ -416,7 +396,7 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed,
   const float* sc = scales.data_ptr<float>();
   const int32_t* comp = compensation.data_ptr<int32_t>();
   float* o = out.data_ptr<float>();
-  run_tiles<int32_t>(reinterpret_cast<const uint32_t*>(q), rows, count,
+  run_tiles<Int8Units>(reinterpret_cast<const uint32_t*>(q), rows, count,
                      packed.data_ptr<int8_t>(), packed.size(0), count, 1,
                      [&](int64_t t, const int32_t* sums) {
                        const int64_t first = t * kTile, n = std::min(kTile, out_features - first);
