@@ -153,11 +153,11 @@ def padded_rows(x: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.
 
 class PackedLinear(nn.Module):
     """`x @ W.T` on the model's weights packed once, at load. Float32 weights go into
-    cpu_ops.packed_linear's tiles where this CPU has that kernel (AVX-512): at decode sizes it
-    reads the weights as one stream and, measured by `evals/bench_kernels.py`, ran the
-    embedded model's layers 10-20% faster than oneDNN at 1 to 32 rows, the LM head as fast or
-    faster, and a 512-row prefill a few percent slower. Elsewhere the weights are reordered
-    for oneDNN, which `F.linear` would redo every call."""
+    cpu_ops.packed_linear's tiles where this CPU has that kernel (AVX-512): it reads the
+    weights as one stream, and `evals/bench_kernels.py` timed the embedded model's layers 6-14%
+    faster than oneDNN at 1, 16 and 32 rows and the LM head within a few percent either way, so
+    only this copy is kept. Elsewhere the weights are reordered for oneDNN, which `F.linear`
+    would redo every call."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -181,13 +181,14 @@ class PackedLinear(nn.Module):
 
 # Rows up to which the bfloat16 layers run cpu_ops' packed kernels rather than oneDNN's: one,
 # a single stream's decode step, where reading the weights is all the time there is and the
-# packed kernel streamed them 15-20% faster (evals/bench_kernels.py). From two rows on oneDNN
-# runs them as fast or faster, on AMX tiles, so both layouts are kept.
+# packed kernel read a layer's in 27% less time (evals/bench_kernels.py). With more rows oneDNN
+# runs as fast, on AMX tiles (level at 16 and 32 rows there), so both layouts are kept.
 PACKED_BF16_MAX_ROWS = 1
 
 
-# The same for the int8 kernel (OneDNNInt8Linear): at one and two rows cpu_ops' VNNI kernel ran
-# the LM head 14-21% faster than oneDNN's; from four rows on oneDNN (AMX) is as fast or faster.
+# The same for the int8 kernel (OneDNNInt8Linear): at one row cpu_ops' VNNI kernel ran the LM
+# head in 21% less time than oneDNN and a layer's linears in half (evals/bench_kernels.py); two
+# rows still read the weights once for both, and at 16 rows oneDNN (AMX) is level.
 PACKED_INT8_MAX_ROWS = 2
 
 
