@@ -4,6 +4,7 @@ limit gets a 429 with Retry-After, others are served, and the accepted ones comp
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -29,20 +30,29 @@ def body(user: str | None = None, max_tokens: int = 24) -> dict:
 
 
 async def test_second_request_of_a_tenant_is_refused_while_the_first_runs(limited):
-    async with httpx.AsyncClient(base_url=limited.v1, timeout=120) as client:
-        first = asyncio.create_task(client.post("/completions", json=body("alice")))
-        await asyncio.sleep(0.5)  # let the first one be accepted
+    """The tenant's first request is streaming (so surely running, however fast decoding is:
+    24 greedy tokens can finish in half a second) when its second arrives; another tenant's
+    request is served meanwhile, and the first completes."""
+    first_body = body("alice", 64) | {"stream": True, "stream_options": {"include_usage": True}}
+    async with (
+        httpx.AsyncClient(base_url=limited.v1, timeout=120) as client,
+        client.stream("POST", "/completions", json=first_body) as first,
+    ):
+        assert first.status_code == 200
+        lines = first.aiter_lines()
+        while not (await anext(lines)).startswith("data: "):
+            pass  # until the first token's chunk
         refused, other = await asyncio.gather(
             client.post("/completions", json=body("alice", 2)),
             client.post("/completions", json=body("bob", 2)),
         )
-        done = await first
+        chunks = [json.loads(line[6:]) async for line in lines if line.startswith("data: {")]
     assert refused.status_code == 429
     assert int(refused.headers["retry-after"]) >= 1
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
     assert "tenant 'alice'" in refused.json()["error"]["message"]
-    assert other.status_code == 200 and done.status_code == 200
-    assert done.json()["usage"]["completion_tokens"] == 24
+    assert other.status_code == 200
+    assert chunks[-1]["usage"]["completion_tokens"] == 64
 
 
 async def test_session_limit_counts_the_session_header(limited):
