@@ -3,9 +3,9 @@
 // At a decode step's few rows a linear layer is a matrix-vector product: its time is the time it
 // takes to read the weights once. The packed layout makes that read one sequential stream: tile
 // t holds outputs [64 t, 64 t + 64) input by input (float32: [I][64]; bfloat16: input pairs,
-// [I / 2][64][2], the order AVX512-BF16's dot product takes), so every load brings 64 outputs'
-// weights for the same input, multiplied by that input broadcast from each row, with no
-// horizontal sums. A tile's outputs stay in registers (up to 6 rows x 4 vectors); more rows run
+// [I / 2][64][2], the order AVX512-BF16's dot product takes; int8: fours, [I / 4][64][4], the
+// order AVX512-VNNI's takes), so every load brings 64 outputs' weights for the same inputs,
+// multiplied by those inputs broadcast from each row, with no horizontal sums. A tile's outputs stay in registers (up to 6 rows x 4 vectors); more rows run
 // over the tile again in blocks of 6 (see tile_all_rows).
 //
 // Sums run in another order than oneDNN's; bfloat16 products are summed in float32 as oneDNN's
@@ -25,7 +25,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "vector_math.h"
