@@ -21,7 +21,7 @@ from engine.backends.base import InferenceBackend
 from engine.detokenizer import IncrementalDetokenizer, check_stop
 from engine.faults import FaultInjector, FaultRule
 from engine.kv.manager import KVCacheManager
-from engine.kv.sizing import blocks_per_group
+from engine.kv.sizing import SharedPages, blocks_per_group, can_share_pages, shared_pages
 from engine.model.kv_cache import auto_kv_cache_dtype, cache_group_specs
 from engine.model.loader import LoadedModel
 from engine.request import FinishReason, Sequence, StepOutput, TokenLogprob
@@ -234,10 +234,10 @@ class LLMEngine:
         )
 
 
-def _num_kv_blocks(backend: InferenceBackend, config: EngineConfig) -> dict[str, int]:
-    """Blocks per cache group, sized by layer kind (engine.kv.sizing) out of a memory budget:
-    MAX_ACTIVE_KV_TOKENS tokens of K/V in every storing layer (at the cache's dtype), or a
-    share of free memory."""
+def _num_kv_blocks(backend: InferenceBackend, config: EngineConfig) -> dict[str, int] | SharedPages:
+    """The KV memory out of a budget of MAX_ACTIVE_KV_TOKENS tokens of K/V in every storing
+    layer (at the cache's dtype), or of a share of free memory: one page pool all cache groups
+    share when their layers can (engine.kv.sizing), else blocks per group by layer kind."""
     groups = cache_group_specs(backend.arch, config.kv_cache_dtype or backend.dtype)
     bytes_per_token = sum(group.bytes_per_token for group in groups)
     sched = config.scheduler
@@ -248,7 +248,8 @@ def _num_kv_blocks(backend: InferenceBackend, config: EngineConfig) -> dict[str,
         budget = int(_free_memory_bytes(backend.device) * _AUTO_KV_MEMORY_FRACTION)
         # More than every sequence at full length is never needed.
         max_context = backend.max_model_len * sched.max_num_seqs
-    return blocks_per_group(
+    size = shared_pages if can_share_pages(groups) else blocks_per_group
+    return size(
         groups,
         budget,
         config.block_size,

@@ -16,6 +16,7 @@ import torch
 
 from engine.backends.base import InferenceBackend
 from engine.kv.manager import BlockCopy, KVCacheManager
+from engine.kv.sizing import SharedPages
 from engine.model import cpu_ops
 from engine.model.batch import ForwardBatch, GroupAttention
 from engine.model.kv_cache import PagedKVCache, cache_group_specs
@@ -34,12 +35,13 @@ class ForwardOutput:
 
 class ModelRunner:
     """Runs `backend`'s model over a KV cache of `num_blocks` blocks of `block_size` tokens
-    (per cache group, or one count for every group; the KV manager hands out the same ids)."""
+    (per cache group, one count for every group, or a shared page pool; the KV manager hands
+    out the same ids)."""
 
     def __init__(
         self,
         backend: InferenceBackend,
-        num_blocks: int | Mapping[str, int],
+        num_blocks: int | Mapping[str, int] | SharedPages,
         block_size: int,
         kv_dtype: torch.dtype | None = None,
     ) -> None:
@@ -63,15 +65,17 @@ class ModelRunner:
         )
 
     def prepare(self, scheduled: list[ScheduledSeq], kv: KVCacheManager) -> ForwardBatch:
-        """Apply the KV manager's pending block copies (before any K/V of this step is written),
-        then flatten the scheduled chunks into one batch."""
+        """Map the pages of newly allocated multi-page blocks and apply the KV manager's pending
+        block copies (before any K/V of this step is written), then flatten the scheduled
+        chunks into one batch."""
+        self.kv_cache.assign_pages(kv.take_page_assignments())
         self.copy_blocks(kv.take_block_copies())
         return build_forward_batch(scheduled, kv)
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         """Copy-on-write: duplicate each (group, src, dst) block, in list order."""
         for copy in copies:
-            self.kv_cache.copy_block(copy.group, copy.src, copy.dst)
+            self.kv_cache.copy_block(copy.group, *copy.pages)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:

@@ -55,18 +55,19 @@ def decode(kv: KVCacheManager, seq: Sequence, tokens: list[int]) -> None:
 
 
 def check_pool(pool: BlockPool) -> None:
-    free_ids = [b.block_id for b in pool._free]
-    assert len(free_ids) == len(set(free_ids)), "a block is twice in the free queue"
-    cached_ids = set(pool._cached)
-    assert not cached_ids & set(free_ids)
-    for block in pool.blocks:
-        if block.block_id in cached_ids:
+    pages = pool.page_pool
+    free = list(pages._free)
+    assert len(free) == len(set(free)), "a page is twice in the free queue"
+    cached = pages.cached_blocks()
+    assert sum(len(b.pages) for b in cached) == pages.num_cached_pages
+    for block in pool.live.values():
+        assert not set(block.pages) & set(free), f"{block!r} is on a free page"
+        if block in cached:
             assert block.ref_count == 0 and block.owner is not None, block
-        elif block.block_id in free_ids:
-            assert block.ref_count == 0 and block.owner is None, block
         else:
-            assert block.ref_count > 0, f"{block!r} is neither held, cached nor free"
-    assert pool.num_free + pool.num_cached_unused + pool.num_in_use == pool.num_total
+            assert block.ref_count > 0, f"{block!r} is neither held nor cached"
+    assert pool.num_cached_unused == sum(b.group == pool.group for b in cached)
+    assert pool.num_cached_unused + pool.num_in_use == len(pool.live)
 
 
 def live_nodes(cache: PrefixCache) -> list[RadixNode]:
@@ -94,7 +95,7 @@ def check_cache(cache: PrefixCache) -> None:
         for group, block in (entry.tail or {}).items():
             assert block.owner is entry and block.group == group
     for pool in cache.pools.values():
-        for block in pool.blocks:
+        for block in pool.live.values():
             if isinstance(block.owner, RadixNode):
                 assert block.owner.blocks.get(block.group) is block
             elif isinstance(block.owner, ExactEntry):
@@ -115,13 +116,23 @@ def check_manager(kv: KVCacheManager) -> None:
         for block in pin.blocks:
             held[block.group][block.block_id] += 1
     for group, pool in kv.pools.items():
-        for block in pool.blocks:
+        for block in pool.live.values():
             assert block.ref_count == held[group][block.block_id], block
+    # Every page is free or under exactly one live block, of whichever group.
+    for page_pool in {pool.page_pool for pool in kv.pools.values()}:
+        pages = list(page_pool._free) + [
+            page
+            for pool in kv.pools.values()
+            if pool.page_pool is page_pool
+            for block in pool.live.values()
+            for page in block.pages
+        ]
+        assert sorted(pages) == list(range(page_pool.num_pages))
 
 
 def assert_all_released(kv: KVCacheManager) -> None:
     check_manager(kv)
-    assert kv.num_free_blocks == kv.num_total_blocks
+    assert kv.num_free_blocks == kv.pools[kv.primary].num_total
     for pool in kv.pools.values():
         assert pool.num_in_use == 0
         assert pool.num_available == pool.num_total

@@ -86,23 +86,28 @@ def test_chunked_prefill_matches_one_chunk_and_never_stalls_decodes(loaded, prom
     assert_all_released(engine.kv)
 
 
-def test_contexts_past_the_window_in_a_sliding_pool_sized_by_layer_kind(loaded):
-    """With two sequences at most, the sliding-window pool holds about two windows, a sixth of
-    the full-attention pool; two 700-token sequences (past the 512-token window) still decode
-    exactly as each alone, and every block comes back."""
+def test_contexts_past_the_window_in_shared_pages(loaded):
+    """The embedded model's cache groups share one page pool (3 layers a page: a full-attention
+    block is 1 page, a sliding one 5). Two 700-token sequences, past the 512-token window,
+    would hold 2 x (44 + 44 x 5) = 528 pages at their peaks without the window; in 450 they
+    decode exactly as each alone, the pages the window frees are reused, and every page
+    comes back."""
     prompts = [long_prompt(loaded, 700, topic=topic) for topic in ("square", "cube")]
     alone = [greedy_alone(loaded, prompt, 8) for prompt in prompts]
     engine = new_engine(
         loaded,
-        max_active_kv_tokens=8192,
+        max_active_kv_tokens=1200,  # 1,200 * 18 layers / (16 tokens * 3 layers) = 450 pages
         scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=256),
     )
     pools = engine.kv.pools
-    assert pools["sliding"].num_total == 2 * 34 + 16 < pools["full"].num_total // 6
+    assert (pools["full"].pages_per_block, pools["sliding"].pages_per_block) == (1, 5)
+    assert engine.kv.stats()["shared_pages"]["total"] == 450
     seqs = [Sequence(prompt, greedy(8)) for prompt in prompts]
     run(engine, seqs)
     assert [seq.output_token_ids for seq in seqs] == alone
-    assert engine.kv.stats()["window_freed_blocks"] > 0
+    stats = engine.kv.stats()
+    assert stats["window_freed_blocks"] > 0
+    assert stats["groups"]["sliding"]["reclaimed"] + stats["groups"]["full"]["reclaimed"] > 0
     assert_all_released(engine.kv)
 
 
@@ -148,8 +153,8 @@ def test_preemption_under_a_tiny_kv_budget_keeps_outputs_and_frees_everything(lo
     assert engine.scheduler.stats().num_finished == len(seqs)
     assert_all_released(engine.kv)  # every group: cached blocks count as free
     for pool in engine.kv.pools.values():
-        assert all(block.ref_count == 0 for block in pool.blocks)
-        assert pool.num_free + pool.num_cached_unused == pool.num_total
+        assert all(block.ref_count == 0 for block in pool.live.values())
+        assert pool.num_in_use == 0 and pool.num_available == pool.num_total
 
 
 def test_abort_mid_prefill_mid_decode_and_waiting_frees_every_block(loaded, prompts):

@@ -141,7 +141,7 @@ def test_a_repeated_match_releases_the_earlier_references():
     b = make_seq(list(range(9)))
     assert kv.match_prefix(b) == 8
     assert kv.match_prefix(b) == 8  # e.g. allocate failed and the scheduler tries again
-    assert kv.pools["full"].blocks[0].ref_count == 1
+    assert kv.pools["full"].live[0].ref_count == 1
     kv.free(b)
     assert_all_released(kv)
 

@@ -75,7 +75,7 @@ def test_a_divergent_insert_branches_at_the_block_boundary():
     assert len(a[0].children) == 2 and b[1] is not a[1]
     assert cache.num_nodes == 5
     # The second insert's own copy of block 0 was not adopted: the node keeps the first one.
-    assert pools["full"].blocks[3].owner is None
+    assert pools["full"].live[3].owner is None
     assert cache.match([0, 1, 2, 3, 100, 101, 102, 103, 9], None).num_tokens == 8
     check_cache(cache)
 
@@ -87,7 +87,7 @@ def test_reclaiming_an_inner_block_drops_its_subtree_but_not_held_blocks():
     first, second, third = (n.blocks["full"] for n in nodes)
     pool.decref(first)  # only the inner block is unreferenced (an eviction policy did this)
     reused = pool.allocate()
-    assert reused is first and reused.owner is None
+    assert reused.pages == first.pages and reused.owner is None and first.owner is None
     assert cache.num_nodes == 0 and all(n.detached for n in nodes)
     assert cache.roots == {}
     assert second.owner is None and third.owner is None  # still held, no longer cached
@@ -248,7 +248,7 @@ def test_concurrent_identical_prompts_end_up_sharing_blocks():
         kv.commit(seq)
     # b found a's published blocks and switched to them, freeing its own duplicates.
     assert kv.layout(b)["full"] == [(0, 0), (1, 1), (5, 2)]
-    assert kv.pools["full"].blocks[0].ref_count == 2
+    assert kv.pools["full"].live[0].ref_count == 2
     assert kv.num_free_blocks == 16 - 4
     check_manager(kv)
     kv.free(a)

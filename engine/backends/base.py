@@ -26,6 +26,8 @@ class CacheGroupSpec:
     layer_ids: tuple[int, ...]  # layers that store K/V in this group (KV-shared layers excluded)
     sliding_window: int | None  # None for full attention
     bytes_per_token: int  # K and V of one token across this group's layers, at the cache dtype
+    # (num_kv_heads, head_dim) when every layer of the group has it; None when they differ.
+    layer_shape: tuple[int, int] | None = None
 
 
 class InferenceBackend(ABC):

@@ -29,11 +29,13 @@ the prompt is matched as usual. An adopted state leaves the pins (it is the sequ
 a turn that frees it unfinished (preempted, aborted, or not admitted for want of blocks) loses
 it, and the turn after that starts from the prefix cache.
 
-One block pool per cache group ("full", "sliding"), each of its own size (engine.kv.sizing:
-sliding groups only get what their window can use); physical block ids are per group, and the
-model runner's cache has as many blocks in each group. All counts are in blocks of
-`block_size` tokens. A token at position p of a sequence lives in that group's block
-table[p // block_size] at offset p % block_size; its slot is block_id * block_size + offset.
+One block pool per cache group ("full", "sliding"). Either each has pages of its own, of its
+own number (engine.kv.sizing: sliding groups only get what their window can use), or all draw
+from one shared page pool (SharedPages), a block of a group taking as many pages as its layers
+need; then admission counts pages, so a group takes memory only as its sequences use it. All
+counts are in blocks of `block_size` tokens. A token at position p of a sequence lives in that
+group's block table[p // block_size] at offset p % block_size; its slot is
+block_id * block_size + offset, on the block's first page (the runner maps its other pages).
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from engine.backends.base import CacheGroupSpec
-from engine.kv.block_pool import Block, BlockPool
+from engine.kv.block_pool import Block, BlockPool, PagePool
 from engine.kv.eviction import EVICTION_POLICIES, EvictionPolicy, make_policy
 from engine.kv.prefix_cache import PrefixCache, RadixNode
+from engine.kv.sizing import SharedPages
 from engine.request import Sequence
 
 
@@ -63,11 +66,20 @@ class BlockCopy:
 
     Copies are produced by allocate() and must be applied in list order, all of them
     before the next forward writes any K/V (a released src may be reused as a later dst).
+    A block of several pages (SharedPages) names them all: src's may be reassigned before
+    the copy is applied, so they are not looked up then.
     """
 
     group: str
     src: int
     dst: int
+    src_pages: tuple[int, ...] = ()  # empty for a block of one page: (src,)
+    dst_pages: tuple[int, ...] = ()
+
+    @property
+    def pages(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(src pages, dst pages)."""
+        return self.src_pages or (self.src,), self.dst_pages or (self.dst,)
 
 
 @dataclass
@@ -108,7 +120,8 @@ class KVCacheManager:
 
     groups: the model's cache groups (engine.backends.base.CacheGroupSpec); "full" is the
         primary group if present (every prefix-cache node has a block of it), else the first.
-    num_blocks: blocks per group, or one count for every group (the runner allocates as many)
+    num_blocks: blocks per group, one count for every group, or a page pool all groups share
+        (the runner allocates the same)
     block_size: tokens per block.
     enable_prefix_caching: share and reuse full blocks across sequences (radix tree +
         exact-match index); when off, blocks are freed as soon as nobody holds them.
@@ -120,7 +133,7 @@ class KVCacheManager:
     def __init__(
         self,
         groups: list[CacheGroupSpec],
-        num_blocks: int | Mapping[str, int],
+        num_blocks: int | Mapping[str, int] | SharedPages,
         block_size: int,
         enable_prefix_caching: bool = True,
         sink_tokens: int = 4,
@@ -139,8 +152,19 @@ class KVCacheManager:
         self.group_specs = {g.name: g for g in groups}
         self.primary = "full" if "full" in self.group_specs else names[0]
         self.windows = {g.name: g.sliding_window for g in groups}
-        sizes = num_blocks if isinstance(num_blocks, Mapping) else dict.fromkeys(names, num_blocks)
-        self.pools = {name: BlockPool(name, sizes[name]) for name in names}
+        if isinstance(num_blocks, SharedPages):
+            pages = PagePool(num_blocks.num_pages)
+            self.pools = {
+                g.name: BlockPool(
+                    g.name, pages=pages, pages_per_block=num_blocks.pages_per_block(g)
+                )
+                for g in groups
+            }
+        else:
+            sizes = (
+                num_blocks if isinstance(num_blocks, Mapping) else dict.fromkeys(names, num_blocks)
+            )
+            self.pools = {name: BlockPool(name, sizes[name]) for name in names}
         self.cache = PrefixCache(self.pools, self.primary, block_size, self.windows)
         for pool in self.pools.values():
             pool.reclaim_handler = self.cache.forget_block
@@ -163,8 +187,28 @@ class KVCacheManager:
 
     @property
     def num_total_blocks(self) -> int:
-        """Blocks of the primary group: what bounds one sequence's context."""
-        return self.pools[self.primary].num_total
+        """The most primary-group blocks one sequence can hold alone: what bounds its context.
+        With shared pages, the other groups' blocks of such a sequence take pages too (a
+        sliding group's at most its window)."""
+        pool = self.pools[self.primary]
+        sharing = [p for p in self.pools.values() if p.page_pool is pool.page_pool]
+
+        def pages_for(blocks: int) -> int:
+            pages = 0
+            for other in sharing:
+                window = self.windows[other.group]
+                held = blocks if window is None else min(blocks, -(-window // self.block_size) + 2)
+                pages += held * other.pages_per_block
+            return pages
+
+        low, high = 1, pool.page_pool.num_pages // pool.pages_per_block
+        while low < high:  # the largest count that fits (at least 1)
+            middle = (low + high + 1) // 2
+            if pages_for(middle) <= pool.page_pool.num_pages:
+                low = middle
+            else:
+                high = middle - 1
+        return low
 
     @property
     def num_free_blocks(self) -> int:
@@ -184,11 +228,24 @@ class KVCacheManager:
         return max(1.0 - self._num_free(g) / pool.num_total for g, pool in self.pools.items())
 
     def _num_free(self, group: str) -> int:
+        pool = self.pools[group]
         pin_refs: Counter[Block] = Counter(
-            block for pin in self._pins.values() for block in pin.blocks if block.group == group
+            block
+            for pin in self._pins.values()
+            for block in pin.blocks
+            if self.pools[block.group].page_pool is pool.page_pool
         )
-        only_pinned = sum(block.ref_count == refs for block, refs in pin_refs.items())
-        return self.pools[group].num_available + only_pinned
+        only_pinned = sum(len(b.pages) for b, refs in pin_refs.items() if b.ref_count == refs)
+        return (pool.page_pool.num_available + only_pinned) // pool.pages_per_block
+
+    def _fits(self, plan: dict[str, tuple[int, list[int]]]) -> bool:
+        """Whether the page pools have the pages a _plan needs (groups sharing one add up)."""
+        needed: dict[PagePool, int] = {}
+        for group, (cow, new) in plan.items():
+            pool = self.pools[group]
+            pages = (cow + len(new)) * pool.pages_per_block
+            needed[pool.page_pool] = needed.get(pool.page_pool, 0) + pages
+        return all(count <= pages.num_available for pages, count in needed.items())
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks allocate(seq, num_new_tokens) would take now, in the group needing most
@@ -202,8 +259,7 @@ class KVCacheManager:
         """Whether allocate(seq, num_new_tokens) would succeed now. Does not change anything."""
         state = self._seqs.get(seq.seq_id)
         tables = state.tables if state else {}
-        plan = self._plan(tables, seq.num_computed_tokens, num_new_tokens)
-        return all(cow + len(new) <= self.pools[g].num_available for g, (cow, new) in plan.items())
+        return self._fits(self._plan(tables, seq.num_computed_tokens, num_new_tokens))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -274,7 +330,7 @@ class KVCacheManager:
         if state is None:
             state = _SeqBlocks(tables={g: [] for g in self.pools})
         plan = self._plan(state.tables, seq.num_computed_tokens, num_new_tokens)
-        if any(cow + len(new) > self.pools[g].num_available for g, (cow, new) in plan.items()):
+        if not self._fits(plan):
             return False
         self._seqs[seq.seq_id] = state
         first = seq.num_computed_tokens // self.block_size
@@ -284,7 +340,8 @@ class KVCacheManager:
                 src = table[first]
                 assert src is not None  # _plan copies only a block seq holds
                 dst = pool.allocate()
-                self._copies.append(BlockCopy(group, src.block_id, dst.block_id))
+                pages = (src.pages, dst.pages) if pool.pages_per_block > 1 else ((), ())
+                self._copies.append(BlockCopy(group, src.block_id, dst.block_id, *pages))
                 self.num_cow_copies += 1
                 table[first] = dst
                 pool.decref(src)
@@ -335,6 +392,11 @@ class KVCacheManager:
             for block in reversed(table):  # deepest first: leaves are reclaimed before parents
                 if block is not None:
                     pool.decref(block)
+
+    def take_page_assignments(self) -> list[Block]:
+        """Blocks of several pages allocated since the last call, in order: the runner maps
+        their pages before the next forward."""
+        return [block for pool in self.pools.values() for block in pool.take_assignments()]
 
     def take_block_copies(self) -> list[BlockCopy]:
         """Copy-on-write copies queued by allocate() since the last call, in order; the
@@ -556,11 +618,19 @@ class KVCacheManager:
                 }
                 for name, pool in self.pools.items()
             },
+            "shared_pages": self._page_stats(),
             "prefix_cache": self.cache.stats(),
             "cow_copies": self.num_cow_copies,
             "evicted_blocks": self.num_evicted_blocks,
             "window_freed_blocks": self.num_window_freed_blocks,
         }
+
+    def _page_stats(self) -> dict | None:
+        """The shared page pool's pages (None when every group has pages of its own)."""
+        pool = self.pools[self.primary].page_pool
+        if not any(p.page_pool is pool for g, p in self.pools.items() if g != self.primary):
+            return None
+        return {"total": pool.num_pages, "free": pool.num_free, "cached": pool.num_cached_pages}
 
     # ------------------------------------------------------------------ internals
 

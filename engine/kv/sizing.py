@@ -13,13 +13,72 @@ contexts outgrow the window (Gemma 3: 5 of 6 layers slide over 512 tokens). So:
 
 Every count is a pool size only: admission still checks each group's own free blocks, so a
 workload that outruns one pool waits or is preempted rather than failing.
+
+That split is fixed at startup for MAX_BATCH_SIZE sequences. When every storing layer has the
+same K/V shape (Gemma 3), the groups share one pool of pages instead (SharedPages, as vLLM's
+hybrid allocator does): a page is one block of a few layers, a block of a group takes as many
+pages as it has layers over those, and each group takes pages as its sequences need them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
 
 from engine.backends.base import CacheGroupSpec
+
+
+@dataclass(frozen=True)
+class SharedPages:
+    """Every cache group's blocks carved from one pool of `num_pages` pages. A page is
+    `block_size` token slots of `lanes` layers' K/V; a group of n storing layers takes
+    ceil(n / lanes) pages per block (its i-th layer in lane i % lanes of page i // lanes)."""
+
+    num_pages: int
+    lanes: int
+
+    def pages_per_block(self, group: CacheGroupSpec) -> int:
+        return -(-len(group.layer_ids) // self.lanes)
+
+
+def can_share_pages(groups: SequenceOf[CacheGroupSpec]) -> bool:
+    """Whether the groups' layers can share pages: more than one group, and every storing
+    layer of the same K/V shape (then any page fits any layer)."""
+    shapes = {group.layer_shape for group in groups}
+    return len(groups) > 1 and len(shapes) == 1 and None not in shapes
+
+
+def shared_pages(
+    groups: SequenceOf[CacheGroupSpec],
+    budget_bytes: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_context_tokens: int | None = None,
+) -> SharedPages:
+    """The page pool `budget_bytes` of KV memory makes for groups that can_share_pages.
+
+    Pages are as wide as the smallest group (Gemma 3: 3 layers; its 15 sliding layers take 5
+    pages a block, no lane unused). max_context_tokens caps the pool at what max_num_seqs
+    sequences of that many tokens in all could ever hold, as in blocks_per_group.
+    """
+    lanes = min(len(group.layer_ids) for group in groups)
+    layer_bytes = groups[0].bytes_per_token // len(groups[0].layer_ids)
+    layout = SharedPages(max(1, budget_bytes // (lanes * layer_bytes * block_size)), lanes)
+    largest = max(layout.pages_per_block(group) for group in groups)
+    num_pages = max(largest, layout.num_pages)
+    if max_context_tokens is not None:
+        ceiling = 0
+        for group in groups:
+            if group.sliding_window is None:
+                blocks = -(-max_context_tokens // block_size)
+            else:
+                blocks = sliding_blocks_needed(
+                    group.sliding_window, block_size, max_num_seqs, max_num_batched_tokens
+                )
+            ceiling += blocks * layout.pages_per_block(group)
+        num_pages = max(largest, min(num_pages, ceiling))
+    return SharedPages(num_pages, lanes)
 
 
 def even_split(groups: SequenceOf[CacheGroupSpec], budget_bytes: int, block_size: int) -> int:

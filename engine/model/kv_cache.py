@@ -1,11 +1,14 @@
-"""The physical paged KV cache: one preallocated key pool and one value pool per layer that
-stores K/V.
+"""The physical paged KV cache: preallocated key and value pools that the storing layers write.
 
-A layer's pool has `num_blocks[group] * block_size` slots; slot = block * block_size + offset,
-so the engine's block tables address it directly. Each cache group ("full", "sliding") has its
-own slot space and its own number of blocks (engine.kv.sizing): the engine keeps one block
-table per group, and every layer of a group is indexed by the same slots. KV-shared layers own
-no pool; they read their producer's.
+A pool has `pages * block_size` slots; slot = page * block_size + offset. Two layouts
+(engine.kv.sizing):
+- a pool per layer, with each cache group ("full", "sliding") its own number of blocks of one
+  page: the engine's block tables address it directly, every layer of a group by the same slots;
+- SharedPages: `lanes` pools of one shared page space. A block of a group takes
+  ceil(layers / lanes) pages, and the group's i-th layer lives in lane i % lanes on the block's
+  page i // lanes; several layers (of one group or of several) share a lane on different pages.
+  Block tables name a block by its first page; `page_maps` gives a multi-page block's others.
+KV-shared layers own no pool; they read their producer's.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from collections.abc import Mapping
 import torch
 
 from engine.backends.base import CacheGroupSpec
+from engine.kv.block_pool import Block
+from engine.kv.sizing import SharedPages
 from engine.model.architecture import GemmaArchitecture
 
 GROUP_ORDER = ("full", "sliding")
@@ -41,48 +46,93 @@ def cache_group_specs(arch: GemmaArchitecture, dtype: torch.dtype) -> list[Cache
         bytes_per_token = sum(
             2 * spec.num_kv_heads * spec.head_dim * element_size for spec in layers
         )
+        shapes = {(spec.num_kv_heads, spec.head_dim) for spec in layers}
         specs.append(
             CacheGroupSpec(
                 name=group,
                 layer_ids=tuple(spec.index for spec in layers),
                 sliding_window=arch.window_of_group(group),
                 bytes_per_token=bytes_per_token,
+                layer_shape=shapes.pop() if len(shapes) == 1 else None,
             )
         )
     return specs
 
 
 class PagedKVCache:
-    """Key and value pools, `[num_slots, num_kv_heads, head_dim]` per storing layer."""
+    """Key and value pools, `[num_slots, num_kv_heads, head_dim]`, per storing layer or lane."""
 
     def __init__(
         self,
         arch: GemmaArchitecture,
-        num_blocks: int | Mapping[str, int],
+        num_blocks: int | Mapping[str, int] | SharedPages,
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        """`num_blocks`: per cache group, or one count for every group."""
-        if isinstance(num_blocks, int):
-            num_blocks = {spec.group: num_blocks for spec in arch.layers}
-        if min(num_blocks.values(), default=0) <= 0 or block_size <= 0:
-            raise ValueError(
-                f"need a positive number of blocks and block size, got {num_blocks} x {block_size}"
-            )
-        self.num_blocks = dict(num_blocks)
+        """`num_blocks`: per cache group, one count for every group, or a shared page pool."""
+        if block_size <= 0:
+            raise ValueError(f"need a positive block size, got {block_size}")
         self.block_size = block_size
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
-        for spec in arch.layers:
-            if spec.stores_kv:
+        # Which page of a block each storing layer is on (0 unless pages are shared).
+        self.page_index: dict[int, int] = {}
+        # Group -> [num_pages, pages per block]: a multi-page block's pages by its first page.
+        self.page_maps: dict[str, torch.Tensor] = {}
+        storing = [spec for spec in arch.layers if spec.stores_kv]
+        if isinstance(num_blocks, SharedPages):
+            self._allocate_lanes(arch, num_blocks, device, dtype)
+        else:
+            if isinstance(num_blocks, int):
+                num_blocks = {spec.group: num_blocks for spec in storing}
+            if min(num_blocks.values(), default=0) <= 0:
+                raise ValueError(f"need a positive number of blocks, got {num_blocks}")
+            for spec in storing:
                 shape = (num_blocks[spec.group] * block_size, spec.num_kv_heads, spec.head_dim)
                 self.keys[spec.index] = torch.zeros(shape, device=device, dtype=dtype)
                 self.values[spec.index] = torch.zeros(shape, device=device, dtype=dtype)
-        # Which group's addressing each layer reads: its own, or its KV producer's.
+                self.page_index[spec.index] = 0
+        # Which group's addressing each layer reads, and on which page of its blocks: its own,
+        # or its KV producer's.
         self.group_of_layer = {
             spec.index: arch.layers[spec.kv_source].group for spec in arch.layers
         }
+        self.page_of_layer = {spec.index: self.page_index[spec.kv_source] for spec in arch.layers}
+
+    def _allocate_lanes(
+        self, arch: GemmaArchitecture, layout: SharedPages, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        storing = [spec for spec in arch.layers if spec.stores_kv]
+        shapes = {(spec.num_kv_heads, spec.head_dim) for spec in storing}
+        if len(shapes) != 1:
+            raise ValueError(f"shared pages need one K/V shape for every layer, got {shapes}")
+        shape = (layout.num_pages * self.block_size, *shapes.pop())
+        key_lanes = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layout.lanes)]
+        value_lanes = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layout.lanes)]
+        for group in {spec.group for spec in storing}:
+            layers = [spec.index for spec in storing if spec.group == group]
+            for i, layer in enumerate(layers):
+                self.keys[layer] = key_lanes[i % layout.lanes]
+                self.values[layer] = value_lanes[i % layout.lanes]
+                self.page_index[layer] = i // layout.lanes
+            pages_per_block = -(-len(layers) // layout.lanes)
+            if pages_per_block > 1:
+                self.page_maps[group] = torch.zeros(
+                    layout.num_pages, pages_per_block, dtype=torch.long, device=device
+                )
+
+    def assign_pages(self, blocks: list[Block]) -> None:
+        """Record where newly allocated multi-page blocks live, in allocation order."""
+        for block in blocks:
+            self.page_maps[block.group][block.block_id] = torch.tensor(block.pages)
+
+    def relocate(self, group: str, page: int, slots: torch.Tensor) -> torch.Tensor:
+        """Slots on a block's first page -> the same offsets on its page `page` (page 0: as is)."""
+        if page == 0:
+            return slots
+        bs = self.block_size
+        return self.page_maps[group][:, page][slots // bs] * bs + slots % bs
 
     def write(
         self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
@@ -93,11 +143,15 @@ class PagedKVCache:
         key_pool.index_copy_(0, slots, keys.to(key_pool.dtype))
         value_pool.index_copy_(0, slots, values.to(value_pool.dtype))
 
-    def copy_block(self, group: str, src: int, dst: int) -> None:
-        """Copy-on-write: duplicate block `src` into `dst` in every layer storing for `group`."""
+    def copy_block(
+        self, group: str, src_pages: tuple[int, ...], dst_pages: tuple[int, ...]
+    ) -> None:
+        """Copy-on-write: duplicate a block on `src_pages` into `dst_pages` in every layer
+        storing for `group`."""
         bs = self.block_size
         for layer in self.keys:
             if self.group_of_layer[layer] == group:
+                src, dst = src_pages[self.page_index[layer]], dst_pages[self.page_index[layer]]
                 self.keys[layer][dst * bs : (dst + 1) * bs] = self.keys[layer][
                     src * bs : (src + 1) * bs
                 ]

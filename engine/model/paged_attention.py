@@ -38,8 +38,9 @@ tests/test_paged_attention.py's mass test pins the full-only sum.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
-from dataclasses import dataclass
+import copy
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +98,13 @@ class _GroupPlan:
         )
         self.num_cols = num_cols
         self.chunks = list(self._chunks(group, batch, widths, window, device, dtype))
+
+    def relocated(self, move: Callable[[torch.Tensor], torch.Tensor]) -> _GroupPlan:
+        """This plan for layers on another page of the blocks: every slot moved by `move`."""
+        plan = copy.copy(self)
+        plan.write_slots = move(self.write_slots)
+        plan.chunks = [replace(chunk, key_slots=move(chunk.key_slots)) for chunk in self.chunks]
+        return plan
 
     @staticmethod
     def _chunks(
@@ -204,6 +212,8 @@ class PagedAttentionStep:
             name: _GroupPlan(group, batch, windows.get(name), device, dtype)
             for name, group in batch.groups.items()
         }
+        # Plans of layers on a block's later pages (shared pages), made on first use.
+        self._relocated: dict[tuple[str, int], _GroupPlan] = {}
         # Mass is reported per key of the primary group: "full" if the model has it.
         self.primary = "full" if "full" in self.plans else next(iter(self.plans), "full")
         wanted = H2O_MASS_GROUPS if mass_groups is None else tuple(mass_groups)
@@ -215,9 +225,22 @@ class PagedAttentionStep:
                     batch.num_seqs, self.plans[name].num_cols, dtype=torch.float32, device=device
                 )
 
+    def _plan_of(self, layer: int) -> _GroupPlan:
+        """The addressing `layer` reads: its group's, on the page of a block it lives on."""
+        group, page = self.cache.group_of_layer[layer], self.cache.page_of_layer[layer]
+        if page == 0:
+            return self.plans[group]
+        plan = self._relocated.get((group, page))
+        if plan is None:
+            plan = self.plans[group].relocated(
+                lambda slots: self.cache.relocate(group, page, slots)
+            )
+            self._relocated[group, page] = plan
+        return plan
+
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store this step's keys/values ([T, num_kv_heads, head_dim]) of a storing layer."""
-        plan = self.plans[self.cache.group_of_layer[layer]]
+        plan = self._plan_of(layer)
         if plan.write_rows is not None:
             keys = keys.index_select(0, plan.write_rows)
             values = values.index_select(0, plan.write_rows)
@@ -232,7 +255,7 @@ class PagedAttentionStep:
     ) -> torch.Tensor:
         """Attention output [T, H, head_dim] of `query` ([T, H, head_dim]) over kv_layer's cache."""
         group = self.cache.group_of_layer[kv_layer]
-        plan = self.plans[group]
+        plan = self._plan_of(kv_layer)
         keys, values = self.cache.keys[kv_layer], self.cache.values[kv_layer]
         mass = self.masses.get(group)
         fused = self.fused and mass is None and softcap is None
