@@ -1,6 +1,8 @@
 """How many sequences of a given context length one KV memory budget holds at once, with every
-cache group given the same number of blocks (the even split) against pools sized by layer kind
-(engine.kv.sizing: sliding-window layers get what their window uses, full attention the rest).
+cache group given the same number of blocks (the even split), against pools split by layer kind
+at startup (engine.kv.sizing.blocks_per_group: sliding-window layers get a window for each of
+MAX_BATCH_SIZE sequences, full attention the rest), and against one page pool the groups share
+(engine.kv.sizing.shared_pages, what the engine runs on Gemma 3).
 
 The embedded model's real cache groups (Gemma 3 270M: 3 full-attention layers, 15 sliding over
 512 tokens) in the real KVCacheManager, prefilling one sequence after another in chunks as the
@@ -8,7 +10,7 @@ scheduler does, until the next one no longer fits. What fits depends only on blo
 not on the numbers the forward computes, so no forward runs: that makes hundreds of 2,048-token
 sequences cheap to measure.
 
-    python -m evals.bench_kv_sizing [--kv-tokens 65536] [--max-seqs 32 64 96] [--contexts ...]
+    python -m evals.bench_kv_sizing [--kv-tokens 65536] [--max-seqs 32 64 128] [--contexts ...]
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from tqdm import tqdm
 
 from engine.backends.base import CacheGroupSpec
 from engine.kv.manager import KVCacheManager
-from engine.kv.sizing import blocks_per_group, even_split
+from engine.kv.sizing import SharedPages, blocks_per_group, even_split, shared_pages
 from engine.model.architecture import GemmaTextConfig, architecture_from_config
 from engine.model.kv_cache import cache_group_specs
 from engine.model.loader import load_model
@@ -33,7 +35,7 @@ from evals.plots import line_chart
 
 def sequences_held(
     groups: list[CacheGroupSpec],
-    sizes: dict[str, int],
+    sizes: dict[str, int] | SharedPages,
     context: int,
     max_seqs: int,
     args: argparse.Namespace,
@@ -59,7 +61,7 @@ def sequences_held(
 
 def upper_bound(groups: list[CacheGroupSpec], budget_bytes: int, context: int, max_seqs: int):
     """Sequences whose context the budget holds with no block wasted: full layers keep the whole
-    context, sliding ones a window (+1 block), capped at max_seqs."""
+    context, sliding ones a window, capped at max_seqs."""
     per_seq = sum(
         g.bytes_per_token
         * (context if g.sliding_window is None else min(context, g.sliding_window))
@@ -72,7 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kv-tokens", type=int, default=65536, help="MAX_ACTIVE_KV_TOKENS")
     parser.add_argument(
-        "--max-seqs", type=int, nargs="+", default=[32, 64, 96], help="MAX_BATCH_SIZE values"
+        "--max-seqs", type=int, nargs="+", default=[32, 64, 128], help="MAX_BATCH_SIZE values"
     )
     parser.add_argument("--chunk", type=int, default=512, help="MAX_NUM_BATCHED_TOKENS")
     parser.add_argument("--block-size", type=int, default=16)
@@ -84,26 +86,30 @@ def main() -> None:
     groups = cache_group_specs(architecture_from_config(config), torch.float32)
     budget = args.kv_tokens * sum(g.bytes_per_token for g in groups)
     even = {g.name: even_split(groups, budget, args.block_size) for g in groups}
-    rows, blocks = [], {"even split": even}
+    pages = shared_pages(groups, budget, args.block_size, max(args.max_seqs), args.chunk)
+    rows, blocks = [], {"even split": even, "shared pages": vars(pages)}
     for max_seqs in tqdm(args.max_seqs, desc="batch sizes"):
         sized = blocks_per_group(groups, budget, args.block_size, max_seqs, args.chunk)
-        blocks[f"by layer kind, batch {max_seqs}"] = sized
+        blocks[f"split by layer kind, batch {max_seqs}"] = sized
         for context in args.contexts:
             row = {
                 "max_seqs": max_seqs,
                 "context": context,
                 "even split": sequences_held(groups, even, context, max_seqs, args),
-                "by layer kind": sequences_held(groups, sized, context, max_seqs, args),
+                "split by layer kind": sequences_held(groups, sized, context, max_seqs, args),
+                "shared pages": sequences_held(groups, pages, context, max_seqs, args),
                 "upper bound": upper_bound(groups, budget, context, max_seqs),
             }
-            row["ratio"] = round(row["by layer kind"] / max(row["even split"], 1), 2)
+            row["ratio"] = round(row["shared pages"] / max(row["even split"], 1), 2)
             rows.append(row)
     lines = [
-        "| batch | context | even split | by layer kind | gain | no-waste bound |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| batch | context | even split | split by layer kind | shared pages | gain "
+        "| no-waste bound |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
         *(
-            f"| {r['max_seqs']} | {r['context']} | {r['even split']} | {r['by layer kind']} "
-            f"| {r['ratio']}x | {r['upper bound']} |"
+            f"| {r['max_seqs']} | {r['context']} | {r['even split']} "
+            f"| {r['split by layer kind']} | {r['shared pages']} | {r['ratio']}x "
+            f"| {r['upper bound']} |"
             for r in rows
         ),
     ]
@@ -120,12 +126,11 @@ def main() -> None:
         },
     )  # fmt: skip
     largest = max(args.max_seqs)
-    series = {
-        f"by layer kind, batch {n}": [float(r["by layer kind"]) for r in rows if r["max_seqs"] == n]
-        for n in args.max_seqs
-    }
     last = [r for r in rows if r["max_seqs"] == largest]
-    series[f"even split, batch {largest}"] = [float(r["even split"]) for r in last]
+    series = {
+        f"{kind}, batch {largest}": [float(r[kind]) for r in last]
+        for kind in ("even split", "split by layer kind", "shared pages")
+    }
     series[f"no-waste bound, batch {largest}"] = [float(r["upper bound"]) for r in last]
     line_chart(
         path.with_suffix(".png"),

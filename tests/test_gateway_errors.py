@@ -338,7 +338,7 @@ def test_unset_max_tokens_fits_a_small_kv_cache(tight: RunningServer) -> None:
         first = next(response.iter_lines())
         assert first.startswith("data: ") and '"role":"assistant"' in first
     # MAX_ACTIVE_KV_TOKENS is a memory budget: sliding-window layers take only their window, so
-    # the full-attention pool, which bounds a request's context, holds more tokens than that.
+    # one request's context (the pages left once its sliding layers hold a window) exceeds it.
     capacity = api_metrics(tight.base_url)["kv"]["num_total_blocks"] * BLOCK_SIZE
     assert KV_TOKENS < capacity < 32768
     too_long = chat_body(max_tokens=capacity + 100)

@@ -425,7 +425,7 @@ async def test_closing_the_socket_aborts_its_generations_and_frees_kv(
     assert after["scheduler"]["num_aborted"] - aborted_before == 2
     # Back to the baseline: no block held by a sequence (published ones stay cached).
     assert after["kv"]["usage"] == baseline["kv"]["usage"] == 0.0
-    assert after["kv"]["num_free_blocks"] == after["kv"]["num_total_blocks"]
+    assert after["kv"]["num_free_blocks"] == after["kv"]["groups"]["full"]["total"]
     assert all(group["in_use"] == 0 for group in after["kv"]["groups"].values())
 
 
