@@ -191,22 +191,23 @@ class GenerationService:
             )
         streams: list[RequestStream] = []
         try:
-            for prompt in prompts:
-                for choice in range(n):
-                    seq = Sequence(
-                        prompt.token_ids,
-                        _choice_sampling(prompt.sampling, choice),
-                        request_id=uuid.uuid4().hex,
-                        tenant=identity.tenant,
-                        session_id=identity.session_id,
-                        priority=priority,
-                        cache_salt=cache_salt,
-                        eviction_policy=policy,
-                        max_kv_tokens=budget,
-                        # One pin per conversation: a turn with several choices pins none.
-                        kv_session=identity.kv_session if len(prompts) * n == 1 else None,
-                    )
-                    streams.append(self.engine.submit(seq))
+            with self.engine.submitting_together():  # all choices start in one step
+                for prompt in prompts:
+                    for choice in range(n):
+                        seq = Sequence(
+                            prompt.token_ids,
+                            _choice_sampling(prompt.sampling, choice),
+                            request_id=uuid.uuid4().hex,
+                            tenant=identity.tenant,
+                            session_id=identity.session_id,
+                            priority=priority,
+                            cache_salt=cache_salt,
+                            eviction_policy=policy,
+                            max_kv_tokens=budget,
+                            # One pin per conversation: a turn with several choices pins none.
+                            kv_session=identity.kv_session if len(prompts) * n == 1 else None,
+                        )
+                        streams.append(self.engine.submit(seq))
         except EngineOverloaded as exc:
             for stream in streams:
                 stream.abort()

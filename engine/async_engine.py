@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import structlog
@@ -214,6 +215,13 @@ class AsyncEngine:
             raise EngineOverloaded(result.message, result.retry_after_s or 1)
         self._wake.set()
         return RequestStream(self, tracked)
+
+    def submitting_together(self) -> AbstractContextManager[bool]:
+        """Hold around several submit() calls: the engine thread schedules none of them before
+        all are in, so a request's choices start in one step. Without it, a step could take
+        the first alone, and where the kernels' last bits follow the batch's shape (the
+        approximate weight modes) a seeded request would not repeat its text."""
+        return self.engine.scheduler.holding()
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its blocks are freed before the next step."""

@@ -263,3 +263,24 @@ async def test_async_engine_refuses_when_the_queue_is_full(loaded, prompts):
         assert_all_released(engine.kv)
     finally:
         await server.shutdown(grace_s=0)
+
+
+async def test_submitting_together_starts_a_requests_sequences_in_one_step(loaded, prompts):
+    """The gateway submits a request's n choices inside submitting_together(): however long
+    the submitting takes, the engine thread schedules none of them before all are in."""
+    engine = new_engine(loaded, max_active_kv_tokens=1024)
+    server = AsyncEngine(lambda: engine)
+    server.start()
+    try:
+        with recorded_forwards(engine.runner) as batches:
+            with server.submitting_together():
+                first = server.submit(Sequence(prompts[0], greedy(2), request_id="first"))
+                await asyncio.sleep(0.3)  # the engine thread is awake and waits for the lock
+                second = server.submit(Sequence(prompts[1], greedy(2), request_id="second"))
+            for stream in (first, second):
+                assert [out async for out in stream][-1].finished
+        assert batches[0].num_seqs == 2  # both prompts in the first step
+        await _wait_until(lambda: not engine.has_work)
+        assert_all_released(engine.kv)
+    finally:
+        await server.shutdown(grace_s=0)

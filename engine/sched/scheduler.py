@@ -25,6 +25,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from engine.kv.manager import KVCacheManager
@@ -149,6 +150,12 @@ class Scheduler:
         return need
 
     # ------------------------------------------------------------------ requests
+
+    def holding(self) -> AbstractContextManager[bool]:
+        """The scheduler's (reentrant) lock, to hold around several add() calls: no step is
+        scheduled in between, so the sequences of one request (its n choices, its prompts)
+        start in the same step."""
+        return self._lock
 
     def add(self, seq: Sequence) -> AddResult:
         """Offer a new sequence. Accepted ones join the waiting queue and will finish or
