@@ -20,7 +20,7 @@ import torch
 from engine.backends.base import CacheGroupSpec
 from engine.kv.block_pool import Block
 from engine.kv.sizing import SharedPages
-from engine.model.architecture import GemmaArchitecture
+from engine.model.architecture import GemmaArchitecture, LayerSpec
 
 GROUP_ORDER = ("full", "sliding")
 # Linear kernels whose activations already pass through bfloat16 or int8 (linear_kernels).
@@ -82,7 +82,7 @@ class PagedKVCache:
         self.page_maps: dict[str, torch.Tensor] = {}
         storing = [spec for spec in arch.layers if spec.stores_kv]
         if isinstance(num_blocks, SharedPages):
-            self._allocate_lanes(arch, num_blocks, device, dtype)
+            self._allocate_lanes(storing, num_blocks, device, dtype)
         else:
             if isinstance(num_blocks, int):
                 num_blocks = {spec.group: num_blocks for spec in storing}
@@ -101,9 +101,12 @@ class PagedKVCache:
         self.page_of_layer = {spec.index: self.page_index[spec.kv_source] for spec in arch.layers}
 
     def _allocate_lanes(
-        self, arch: GemmaArchitecture, layout: SharedPages, device: torch.device, dtype: torch.dtype
+        self,
+        storing: list[LayerSpec],
+        layout: SharedPages,
+        device: torch.device,
+        dtype: torch.dtype,
     ) -> None:
-        storing = [spec for spec in arch.layers if spec.stores_kv]
         shapes = {(spec.num_kv_heads, spec.head_dim) for spec in storing}
         if len(shapes) != 1:
             raise ValueError(f"shared pages need one K/V shape for every layer, got {shapes}")
