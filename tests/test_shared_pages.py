@@ -15,6 +15,7 @@ from engine.kv.manager import BlockCopy, KVCacheManager
 from engine.kv.sizing import SharedPages, can_share_pages, shared_pages
 from engine.runner import ModelRunner
 from engine.sched.output import ScheduledSeq
+from tests.forward_contract import prompt
 from tests.kv_invariants import assert_all_released, check_manager, check_pool, make_seq, step
 from tests.paged_driver import hf_greedy, hf_model
 from tests.test_forward_gemma3 import gqa_config, hf_kwargs, mha_config
@@ -188,11 +189,6 @@ def test_a_copy_on_write_of_a_multi_page_block_names_its_pages():
 
 
 # ---------------------------------------------------------------------- the model runner
-
-
-def prompt(length: int, seed: int, vocab: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(1, vocab, (length,), generator=generator).tolist()
 
 
 def greedy_through_the_manager(

@@ -50,7 +50,7 @@ from engine.backends.base import CacheGroupSpec
 from engine.kv.block_pool import Block, BlockPool, PagePool
 from engine.kv.eviction import EVICTION_POLICIES, EvictionPolicy, make_policy
 from engine.kv.prefix_cache import PrefixCache, RadixNode
-from engine.kv.sizing import SharedPages
+from engine.kv.sizing import SharedPages, window_blocks
 from engine.request import Sequence
 
 
@@ -197,7 +197,11 @@ class KVCacheManager:
             pages = 0
             for other in sharing:
                 window = self.windows[other.group]
-                held = blocks if window is None else min(blocks, -(-window // self.block_size) + 2)
+                held = (
+                    blocks
+                    if window is None
+                    else min(blocks, window_blocks(window, self.block_size))
+                )
                 pages += held * other.pages_per_block
             return pages
 

@@ -38,7 +38,11 @@ class SharedPages:
     lanes: int
 
     def pages_per_block(self, group: CacheGroupSpec) -> int:
-        return -(-len(group.layer_ids) // self.lanes)
+        return self.pages_for_layers(len(group.layer_ids))
+
+    def pages_for_layers(self, num_layers: int) -> int:
+        """Pages a block of `num_layers` layers takes."""
+        return -(-num_layers // self.lanes)
 
 
 def can_share_pages(groups: SequenceOf[CacheGroupSpec]) -> bool:
@@ -88,11 +92,17 @@ def even_split(groups: SequenceOf[CacheGroupSpec], budget_bytes: int, block_size
     return max(1, budget_bytes // max(block_bytes, 1))
 
 
+def window_blocks(window: int, block_size: int) -> int:
+    """The most blocks one sequence holds in a sliding group: the window's, plus one partly
+    outside it and one the next token opens."""
+    return -(-window // block_size) + 2
+
+
 def sliding_blocks_needed(
     window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
 ) -> int:
     """The most blocks a sliding group with `window` can hold at once (see the module doc)."""
-    per_sequence = -(-window // block_size) + 2
+    per_sequence = window_blocks(window, block_size)
     return max_num_seqs * per_sequence + -(-max_num_batched_tokens // block_size)
 
 

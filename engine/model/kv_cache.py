@@ -119,7 +119,7 @@ class PagedKVCache:
                 self.keys[layer] = key_lanes[i % layout.lanes]
                 self.values[layer] = value_lanes[i % layout.lanes]
                 self.page_index[layer] = i // layout.lanes
-            pages_per_block = -(-len(layers) // layout.lanes)
+            pages_per_block = layout.pages_for_layers(len(layers))
             if pages_per_block > 1:
                 self.page_maps[group] = torch.zeros(
                     layout.num_pages, pages_per_block, dtype=torch.long, device=device
