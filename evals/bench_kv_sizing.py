@@ -2,15 +2,19 @@
 cache group given the same number of blocks (the even split), against pools split by layer kind
 at startup (engine.kv.sizing.blocks_per_group: sliding-window layers get a window for each of
 MAX_BATCH_SIZE sequences, full attention the rest), and against one page pool the groups share
-(engine.kv.sizing.shared_pages, what the engine runs on Gemma 3).
+(engine.kv.sizing.shared_pages, what the engine runs).
 
-The embedded model's real cache groups (Gemma 3 270M: 3 full-attention layers, 15 sliding over
-512 tokens) in the real KVCacheManager, prefilling one sequence after another in chunks as the
-scheduler does, until the next one no longer fits. What fits depends only on block accounting,
-not on the numbers the forward computes, so no forward runs: that makes hundreds of 2,048-token
-sequences cheap to measure.
+The model's real cache groups in the real KVCacheManager, prefilling one sequence after another
+in chunks as the scheduler does, until the next one no longer fits. What fits depends only on
+block accounting, not on the numbers the forward computes, so no forward runs: that makes
+hundreds of 2,048-token sequences cheap to measure. `--model embedded` (the default) is Gemma 3
+270M: 3 full-attention layers and 15 sliding over 512 tokens, all of one K/V shape. `--model
+gemma4` is transformers' default Gemma4TextConfig (its layer shapes only, no weights): 5
+full-attention layers of 4 KV heads of 512 dims and 25 sliding ones of 4 of 256, so a page's
+lanes are as wide as a full layer and two sliding layers share one.
 
-    python -m evals.bench_kv_sizing [--kv-tokens 65536] [--max-seqs 32 64 128] [--contexts ...]
+    python -m evals.bench_kv_sizing [--model embedded|gemma4] [--kv-tokens 65536]
+        [--max-seqs 32 64 128] [--contexts ...]
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import itertools
 
 import torch
 from tqdm import tqdm
+from transformers import Gemma4TextConfig
 
 from engine.backends.base import CacheGroupSpec
 from engine.kv.manager import KVCacheManager
@@ -72,6 +77,7 @@ def upper_bound(groups: list[CacheGroupSpec], budget_bytes: int, context: int, m
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["embedded", "gemma4"], default="embedded")
     parser.add_argument("--kv-tokens", type=int, default=65536, help="MAX_ACTIVE_KV_TOKENS")
     parser.add_argument(
         "--max-seqs", type=int, nargs="+", default=[32, 64, 128], help="MAX_BATCH_SIZE values"
@@ -81,8 +87,9 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     args = parser.parse_args()
 
-    config = load_model().config
-    assert isinstance(config, GemmaTextConfig)  # what load_model() gives
+    config = load_model().config if args.model == "embedded" else Gemma4TextConfig()
+    assert isinstance(config, GemmaTextConfig)
+    name = "bench_kv_sizing" + ("" if args.model == "embedded" else f"_{args.model}")
     groups = cache_group_specs(architecture_from_config(config), torch.float32)
     budget = args.kv_tokens * sum(g.bytes_per_token for g in groups)
     even = {g.name: even_split(groups, budget, args.block_size) for g in groups}
@@ -116,8 +123,9 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     path = write_results(
-        "bench_kv_sizing",
+        name,
         {
+            "model": args.model,
             "kv_tokens": args.kv_tokens, "budget_bytes": budget, "chunk": args.chunk,
             "block_size": args.block_size,
             "groups": {g.name: {"bytes_per_token": g.bytes_per_token,
@@ -134,7 +142,7 @@ def main() -> None:
     series[f"no-waste bound, batch {largest}"] = [float(r["upper bound"]) for r in last]
     line_chart(
         path.with_suffix(".png"),
-        f"Sequences held at once in {args.kv_tokens} tokens of KV memory",
+        f"Sequences held at once in {args.kv_tokens} tokens of KV memory ({args.model})",
         [float(c) for c in args.contexts],
         series,
         "context (tokens)",

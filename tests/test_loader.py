@@ -13,10 +13,15 @@ from safetensors.torch import save_file
 from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4TextConfig
 
 from engine.backends.custom import CustomBackend
+from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model.batch import ForwardBatch, GroupAttention
 from engine.model.loader import ModelLoadError, embedded_checkpoint_dir, load_model
+from engine.request import Sequence
 from engine.runner import ModelRunner
-from tests.paged_driver import hf_model
+from engine.sched.scheduler import SchedulerConfig
+from tests.engine_harness import greedy, run
+from tests.kv_invariants import assert_all_released
+from tests.paged_driver import hf_greedy, hf_model
 
 S, F = "sliding_attention", "full_attention"
 
@@ -76,6 +81,41 @@ def test_gemma4_text_checkpoint_directory(tmp_path, reference):
     with torch.no_grad():
         theirs = reference(torch.tensor([tokens]), logits_to_keep=torch.tensor([len(tokens) - 1]))
     assert torch.equal(runner.forward(batch).logits[0], theirs.logits[0, -1].float())
+
+
+def test_the_engine_serves_a_gemma4_checkpoint_on_shared_pages(tmp_path, reference):
+    """Full-attention layers twice as wide as sliding ones share the page pool: the two
+    sliding layers split a lane, the full layer has one. Three sequences, past the window,
+    in fewer pages than they would hold without it, generate
+    what transformers generates for each alone, and every page comes back."""
+    reference.save_pretrained(tmp_path)
+    copy_tokenizer(tmp_path)
+    loaded = load_model(str(tmp_path))
+    backend = CustomBackend(
+        loaded.config, loaded.state_dict, torch.device("cpu"), torch.float32, 128
+    )
+    engine = LLMEngine.for_model(
+        loaded,
+        backend,
+        EngineConfig(
+            block_size=4,
+            # 48 tokens of 32 K elements (8 + 8 + 16): 24 pages of 4 tokens of 16. The three
+            # hold 22 pages at their peak, 26 without the window.
+            max_active_kv_tokens=48,
+            scheduler=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16),
+        ),
+    )
+    pools = engine.kv.pools
+    assert (pools["full"].pages_per_block, pools["sliding"].pages_per_block) == (1, 1)
+    assert engine.kv.stats()["shared_pages"]["total"] == 24
+    prompts = [[2, 5, 17, 3, 88, 41, 9], [2, 60, 61, 62], [2, 5, 17, 3, 88, 30]]
+    seqs = [Sequence(list(p), greedy(12)) for p in prompts]
+    run(engine, seqs)
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        theirs = hf_greedy(reference, prompt, 11)
+        assert seq.output_token_ids == [int(x.argmax()) for x in theirs]
+    assert engine.kv.stats()["window_freed_blocks"] > 0
+    assert_all_released(engine.kv)
 
 
 def test_text_tower_of_a_multimodal_checkpoint(tmp_path, reference):

@@ -12,13 +12,21 @@ from engine.backends.base import CacheGroupSpec
 from engine.backends.custom import CustomBackend
 from engine.kv.block_pool import BlockPool, NoFreeBlocksError, PagePool
 from engine.kv.manager import BlockCopy, KVCacheManager
-from engine.kv.sizing import SharedPages, can_share_pages, shared_pages
+from engine.kv.sizing import (
+    LanePlace,
+    SharedPages,
+    can_share_pages,
+    lanes_per_page,
+    shared_pages,
+)
+from engine.model import cpu_ops
 from engine.runner import ModelRunner
 from engine.sched.output import ScheduledSeq
+from tests import test_forward_gemma3 as gemma3
+from tests import test_forward_gemma4 as gemma4
 from tests.forward_contract import prompt
 from tests.kv_invariants import assert_all_released, check_manager, check_pool, make_seq, step
 from tests.paged_driver import hf_greedy, hf_model
-from tests.test_forward_gemma3 import gqa_config, hf_kwargs, mha_config
 
 CPU = torch.device("cpu")
 
@@ -111,7 +119,7 @@ BUDGET = 65536 * 18 * 1024  # MAX_ACTIVE_KV_TOKENS=65536 in every layer
 def test_pages_are_as_wide_as_the_smallest_group():
     layout = shared_pages([FULL, SLIDING], BUDGET, 16, 64, 512)
     # A page: 16 tokens of 3 layers, 48 KiB; the budget makes 65,536 * 18 / 48 of them.
-    assert layout == SharedPages(num_pages=24576, lanes=3)
+    assert layout == SharedPages(num_pages=24576, lanes=3, lane_width=256)
     assert (layout.pages_per_block(FULL), layout.pages_per_block(SLIDING)) == (1, 5)
     # A 2,048-token sequence: 128 full pages and 34 sliding blocks of 5, so 82 fit; a split
     # fixed for 64 sequences (blocks_per_group) holds 64, the even split 32.
@@ -121,15 +129,60 @@ def test_pages_are_as_wide_as_the_smallest_group():
 def test_an_automatic_budget_is_capped_at_what_the_sequences_could_hold():
     layout = shared_pages([FULL, SLIDING], BUDGET, 16, 4, 512, max_context_tokens=4 * 1000)
     # 250 full blocks for 4,000 tokens, 4 windows of 34 sliding blocks plus 32 of chunks.
-    assert layout == SharedPages(250 + (4 * 34 + 32) * 5, 3)
+    assert layout == SharedPages(250 + (4 * 34 + 32) * 5, 3, 256)
 
 
-def test_only_groups_of_one_layer_shape_share_pages():
+def test_groups_share_pages_when_their_widths_divide_the_widest():
     assert can_share_pages([FULL, SLIDING])
     assert not can_share_pages([FULL])  # one group: nothing to share
     wide = CacheGroupSpec("full", (5,), None, 2048, (1, 512))  # Gemma 4: wider full layers
-    assert not can_share_pages([wide, SLIDING])
+    assert can_share_pages([wide, SLIDING])
+    other_shape = CacheGroupSpec("full", (5,), None, 1024, (2, 128))  # as wide, other heads
+    assert can_share_pages([other_shape, SLIDING])
+    assert not can_share_pages([CacheGroupSpec("full", (5,), None, 1536, (1, 384)), SLIDING])
     assert not can_share_pages([FULL, CacheGroupSpec("sliding", (0,), 512, 1024)])
+
+
+# transformers' default Gemma4TextConfig with a bfloat16 cache: 4 KV heads everywhere, 5
+# full-attention layers of 512 dims (4,096 bytes per token and layer) and 25 sliding ones of 256.
+WIDE_FULL = CacheGroupSpec("full", tuple(range(5, 30, 6)), None, 5 * 8192, (4, 512))
+NARROW_SLIDING = CacheGroupSpec(
+    "sliding", tuple(i for i in range(30) if i % 6 != 5), 512, 25 * 4096, (4, 256)
+)
+
+
+def test_narrower_layers_share_a_lane():
+    layout = shared_pages([WIDE_FULL, NARROW_SLIDING], 30 * 16 * 8192 * 10, 16, 8, 512)
+    # Lanes as wide as a full layer (2,048 elements); two sliding layers fill one, so a block
+    # fills 5 lanes of full layers and 13 of sliding ones (the last half empty). Pages of one
+    # lane leave no lane unused: 16 tokens x 2,048 x K and V x 2 bytes = 128 KiB a page.
+    assert layout == SharedPages(num_pages=300, lanes=1, lane_width=2048)
+    assert (layout.pages_per_block(WIDE_FULL), layout.pages_per_block(NARROW_SLIDING)) == (5, 13)
+    assert [layout.place(i, 2048) for i in (0, 4)] == [LanePlace(0, 0), LanePlace(4, 0)]
+    assert [layout.place(i, 1024) for i in (0, 1, 2, 24)] == [
+        LanePlace(0, 0, 0, 2),
+        LanePlace(0, 0, 1, 2),
+        LanePlace(1, 0, 0, 2),
+        LanePlace(12, 0, 0, 2),
+    ]
+    pages_of_3 = SharedPages(60, 3, 2048)
+    assert [pages_of_3.place(i, 1024) for i in (5, 6, 24)] == [
+        LanePlace(0, 2, 1, 2),
+        LanePlace(1, 0, 0, 2),
+        LanePlace(4, 0, 0, 2),
+    ]
+    assert not LanePlace().moves_slots and not LanePlace(0, 3).moves_slots
+    assert LanePlace(0, 0, 1, 2).moves_slots and LanePlace(1, 0).moves_slots
+    with pytest.raises(ValueError):
+        layout.pages_for(1, 768)  # does not divide a lane
+
+
+def test_a_page_has_the_most_lanes_that_waste_the_fewest():
+    assert lanes_per_page([3, 15]) == 3  # Gemma 3 270M: 3 full layers, 15 sliding ones
+    assert lanes_per_page([4, 22]) == 2  # Gemma 3 1B: pages of 4 would leave 2 lanes unused
+    assert lanes_per_page([5, 13]) == 1  # the Gemma 4 config above
+    assert lanes_per_page([2, 3]) == 1
+    assert lanes_per_page([6, 9]) == 3
 
 
 # ---------------------------------------------------------------------- the KV manager
@@ -140,7 +193,7 @@ TINY_SLIDING = CacheGroupSpec("sliding", (0, 2, 3), 8, 24, (1, 1))
 
 def test_admission_counts_the_pages_of_every_group():
     """Pages the window frees in one sequence become another's full-attention blocks."""
-    kv = KVCacheManager([TINY_FULL, TINY_SLIDING], SharedPages(24, 1), block_size=4)
+    kv = KVCacheManager([TINY_FULL, TINY_SLIDING], SharedPages(24, 1, 1), block_size=4)
     # Alone, a sequence can hold 24 - 4 * 3 = 12 full blocks (a window holds 4 sliding ones).
     assert kv.num_total_blocks == 12 and kv.num_free_blocks == 24
     a = make_seq(list(range(32)))
@@ -169,7 +222,7 @@ def test_admission_counts_the_pages_of_every_group():
 
 
 def test_a_copy_on_write_of_a_multi_page_block_names_its_pages():
-    kv = KVCacheManager([TINY_FULL, TINY_SLIDING], SharedPages(32, 1), block_size=4)
+    kv = KVCacheManager([TINY_FULL, TINY_SLIDING], SharedPages(32, 1, 1), block_size=4)
     a = make_seq([1, 2, 3, 4, 5, 6])
     kv.match_prefix(a)
     step(kv, a, 6)
@@ -239,10 +292,19 @@ def greedy_through_the_manager(
     "make_config, layouts",
     [
         # 3 sliding layers and 1 full one: pages of 1 layer, sliding blocks of 3.
-        (mha_config, [SharedPages(48, 1)]),
+        (gemma3.mha_config, [SharedPages(48, 1, 32)]),
         # 3 sliding layers and 2 full ones: pages of 2 layers (a sliding block on 2 pages, one
         # lane unused), or of 1 layer (full blocks on 2 pages too).
-        (gqa_config, [SharedPages(40, 2), SharedPages(70, 1)]),
+        (
+            gemma3.gqa_config,
+            [SharedPages(40, 2, 32), SharedPages(70, 1, 32), SharedPages(40, 1, 64)],
+        ),
+        # Gemma 4: 2 sliding layers (2 heads of 8) that share a lane, a full layer twice as
+        # wide (2 heads of 16) in a lane of its own, the 2 KV-shared layers reading theirs.
+        (gemma4.mha_config, [SharedPages(24, 1, 32)]),
+        # Gemma 4 with k=v and PLE: sliding layers of 2 heads of 8, full ones of 1 head of 16,
+        # as wide and so in lanes of one layer each, pages of 2 lanes.
+        (gemma4.full_featured_config, [SharedPages(40, 2, 16)]),
     ],
 )
 def test_shared_pages_give_the_logits_of_a_pool_per_group(make_config, layouts):
@@ -262,6 +324,27 @@ def test_shared_pages_give_the_logits_of_a_pool_per_group(make_config, layouts):
             assert all(torch.equal(x, y) for x, y in zip(shared[name], own[name], strict=True))
     # And transformers agrees (batched with another prefill, the linear layers round a little
     # differently from one sequence alone).
-    theirs = hf_greedy(reference, first, steps, **hf_kwargs(config))
+    hf_kwargs = gemma3.hf_kwargs(config) if config.model_type == "gemma3_text" else {}
+    theirs = hf_greedy(reference, first, steps, **hf_kwargs)
     assert [int(x.argmax()) for x in own[0]] == [int(x.argmax()) for x in theirs]
     assert max((x - y).abs().max().item() for x, y in zip(own[0], theirs, strict=True)) < 2e-5
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler to build the fused kernels")
+@pytest.mark.parametrize(
+    "make_config, layout",
+    [(gemma3.gqa_config, SharedPages(40, 1, 64)), (gemma4.mha_config, SharedPages(24, 1, 32))],
+)
+def test_the_fused_kernels_read_layers_that_share_a_lane(make_config, layout):
+    """Decode attention read in place from the pools (cpu_ops.paged_decode_attention) and
+    store_kv, on layers that take part of a lane: the same logits as a pool per group."""
+    config = make_config()
+    weights = hf_model(config, seed=7).state_dict()
+    backend = CustomBackend(config, weights, CPU, torch.float32, 256, kernel="packed")
+    assert ModelRunner(backend, layout, 4).paged_decode
+    first = prompt(10, 1, config.vocab_size)
+    prompts = {0: first, 1: first[:8] + prompt(5, 2, config.vocab_size)}
+    own = greedy_through_the_manager(backend, 64, prompts, {3: {2: first}}, 12)
+    shared = greedy_through_the_manager(backend, layout, prompts, {3: {2: first}}, 12)
+    for name in own:
+        assert all(torch.equal(x, y) for x, y in zip(shared[name], own[name], strict=True))

@@ -14,10 +14,12 @@ contexts outgrow the window (Gemma 3: 5 of 6 layers slide over 512 tokens). So:
 Every count is a pool size only: admission still checks each group's own free blocks, so a
 workload that outruns one pool waits or is preempted rather than failing.
 
-That split is fixed at startup for MAX_BATCH_SIZE sequences. When every storing layer has the
-same K/V shape (Gemma 3), the groups share one pool of pages instead (SharedPages, as vLLM's
-hybrid allocator does): a page is one block of a few layers, a block of a group takes as many
-pages as it has layers over those, and each group takes pages as its sequences need them.
+That split is fixed at startup for MAX_BATCH_SIZE sequences. When the storing layers' K/V
+widths divide one another (Gemma 3: one shape; Gemma 4: full-attention layers twice or half as
+wide as sliding ones), the groups share one pool of pages instead (SharedPages, as vLLM's
+hybrid allocator does): a page is one block of a few lanes, each as wide as the widest layer;
+a narrower layer takes part of a lane, a block of a group takes as many pages as its layers
+fill, and each group takes pages as its sequences need them.
 """
 
 from __future__ import annotations
@@ -29,27 +31,81 @@ from engine.backends.base import CacheGroupSpec
 
 
 @dataclass(frozen=True)
+class LanePlace:
+    """Where one storing layer's K/V sits in its group's blocks under SharedPages: on the
+    block's page `page`, in lane `lane`, part `part` of the lane's `parts` (a layer `parts`
+    times narrower than the lane shares it with parts - 1 others)."""
+
+    page: int = 0
+    lane: int = 0
+    part: int = 0
+    parts: int = 1
+
+    @property
+    def moves_slots(self) -> bool:
+        """Whether the layer's slots differ from those of the block's first page."""
+        return self.page != 0 or self.parts != 1
+
+
+@dataclass(frozen=True)
 class SharedPages:
     """Every cache group's blocks carved from one pool of `num_pages` pages. A page is
-    `block_size` token slots of `lanes` layers' K/V; a group of n storing layers takes
-    ceil(n / lanes) pages per block (its i-th layer in lane i % lanes of page i // lanes)."""
+    `block_size` token slots of `lanes` lanes, each `lane_width` K (and as many V) elements
+    per token: the widest storing layer's num_kv_heads * head_dim. A group whose layers are k
+    times narrower puts k of them in a lane; its i-th layer takes lane slot i // k (part i % k),
+    which is lane slot % lanes of the block's page slot // lanes."""
 
     num_pages: int
     lanes: int
+    lane_width: int
+
+    def layers_per_lane(self, width: int) -> int:
+        if width <= 0 or self.lane_width % width:
+            raise ValueError(f"a layer {width} wide does not divide lanes {self.lane_width} wide")
+        return self.lane_width // width
+
+    def pages_for(self, num_layers: int, width: int) -> int:
+        """Pages a block of `num_layers` layers `width` wide takes."""
+        lane_slots = -(-num_layers // self.layers_per_lane(width))
+        return -(-lane_slots // self.lanes)
 
     def pages_per_block(self, group: CacheGroupSpec) -> int:
-        return self.pages_for_layers(len(group.layer_ids))
+        return self.pages_for(len(group.layer_ids), layer_width(group))
 
-    def pages_for_layers(self, num_layers: int) -> int:
-        """Pages a block of `num_layers` layers takes."""
-        return -(-num_layers // self.lanes)
+    def place(self, i: int, width: int) -> LanePlace:
+        """Where the i-th storing layer of a group of layers `width` wide sits."""
+        parts = self.layers_per_lane(width)
+        lane_slot, part = divmod(i, parts)
+        page, lane = divmod(lane_slot, self.lanes)
+        return LanePlace(page, lane, part, parts)
+
+
+def layer_width(group: CacheGroupSpec) -> int:
+    """K elements per token of one of the group's layers (num_kv_heads * head_dim)."""
+    if group.layer_shape is None:
+        raise ValueError(f"the {group.name} group's layers differ in shape")
+    heads, head_dim = group.layer_shape
+    return heads * head_dim
 
 
 def can_share_pages(groups: SequenceOf[CacheGroupSpec]) -> bool:
-    """Whether the groups' layers can share pages: more than one group, and every storing
-    layer of the same K/V shape (then any page fits any layer)."""
-    shapes = {group.layer_shape for group in groups}
-    return len(groups) > 1 and len(shapes) == 1 and None not in shapes
+    """Whether the groups' layers can share pages: more than one group, each of one layer
+    shape, every layer's width dividing the widest (then a lane holds whole layers)."""
+    if len(groups) < 2 or any(group.layer_shape is None for group in groups):
+        return False
+    widths = [layer_width(group) for group in groups]
+    return all(max(widths) % width == 0 for width in widths)
+
+
+def lanes_per_page(lane_slots: SequenceOf[int]) -> int:
+    """Lanes a page has, given the lanes one block of each group fills: the most that leave
+    the fewest lanes unused on a group's last page (a page of fewer lanes means more pages
+    per block, so more slot mappings per step). At most the smallest group's count, so
+    that no block of it has an empty page."""
+    return min(
+        range(1, min(lane_slots) + 1),
+        key=lambda lanes: (sum(-(-n // lanes) * lanes - n for n in lane_slots), -lanes),
+    )
 
 
 def shared_pages(
@@ -62,13 +118,20 @@ def shared_pages(
 ) -> SharedPages:
     """The page pool `budget_bytes` of KV memory makes for groups that can_share_pages.
 
-    Pages are as wide as the smallest group (Gemma 3: 3 layers; its 15 sliding layers take 5
-    pages a block, no lane unused). max_context_tokens caps the pool at what max_num_seqs
-    sequences of that many tokens in all could ever hold, as in blocks_per_group.
+    Lanes are as wide as the widest layer, and as many a page as lanes_per_page says (Gemma 3:
+    3 layers; its 15 sliding layers take 5 pages a block, no lane unused).
+    max_context_tokens caps the pool at what max_num_seqs sequences of that many tokens in all
+    could ever hold, as in blocks_per_group.
     """
-    lanes = min(len(group.layer_ids) for group in groups)
-    layer_bytes = groups[0].bytes_per_token // len(groups[0].layer_ids)
-    layout = SharedPages(max(1, budget_bytes // (lanes * layer_bytes * block_size)), lanes)
+    lane_width = max(layer_width(group) for group in groups)
+    lane_slots = [
+        -(-len(group.layer_ids) // (lane_width // layer_width(group))) for group in groups
+    ]
+    lanes = lanes_per_page(lane_slots)
+    first = groups[0]
+    element_bytes = first.bytes_per_token // (2 * len(first.layer_ids) * layer_width(first))
+    page_bytes = lanes * 2 * lane_width * element_bytes * block_size
+    layout = SharedPages(max(1, budget_bytes // page_bytes), lanes, lane_width)
     largest = max(layout.pages_per_block(group) for group in groups)
     num_pages = max(largest, layout.num_pages)
     if max_context_tokens is not None:
@@ -82,7 +145,7 @@ def shared_pages(
                 )
             ceiling += blocks * layout.pages_per_block(group)
         num_pages = max(largest, min(num_pages, ceiling))
-    return SharedPages(num_pages, lanes)
+    return SharedPages(num_pages, lanes, lane_width)
 
 
 def even_split(groups: SequenceOf[CacheGroupSpec], budget_bytes: int, block_size: int) -> int:

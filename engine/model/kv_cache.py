@@ -4,9 +4,11 @@ A pool has `pages * block_size` slots; slot = page * block_size + offset. Two la
 (engine.kv.sizing):
 - a pool per layer, with each cache group ("full", "sliding") its own number of blocks of one
   page: the engine's block tables address it directly, every layer of a group by the same slots;
-- SharedPages: `lanes` pools of one shared page space. A block of a group takes
-  ceil(layers / lanes) pages, and the group's i-th layer lives in lane i % lanes on the block's
-  page i // lanes; several layers (of one group or of several) share a lane on different pages.
+- SharedPages: `lanes` tensors of one shared page space, each page `block_size` tokens of the
+  widest layer's K (or V). Every storing layer views one lane (sizing.LanePlace): a layer k
+  times narrower views it as k times as many pages of its own shape, taking part `part` of
+  each, so a layer's pool stays `[num_slots, num_kv_heads, head_dim]` and slot-contiguous.
+  Several layers (of one group or of several) share a lane on different pages or parts.
   Block tables name a block by its first page; `page_maps` gives a multi-page block's others.
 KV-shared layers own no pool; they read their producer's.
 """
@@ -19,7 +21,7 @@ import torch
 
 from engine.backends.base import CacheGroupSpec
 from engine.kv.block_pool import Block
-from engine.kv.sizing import SharedPages
+from engine.kv.sizing import LanePlace, SharedPages
 from engine.model.architecture import GemmaArchitecture, LayerSpec
 
 GROUP_ORDER = ("full", "sliding")
@@ -76,8 +78,8 @@ class PagedKVCache:
         self.block_size = block_size
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
-        # Which page of a block each storing layer is on (0 unless pages are shared).
-        self.page_index: dict[int, int] = {}
+        # Where in a block each storing layer's K/V sits (its first page unless pages are shared).
+        self.place: dict[int, LanePlace] = {}
         # Group -> [num_pages, pages per block]: a multi-page block's pages by its first page.
         self.page_maps: dict[str, torch.Tensor] = {}
         storing = [spec for spec in arch.layers if spec.stores_kv]
@@ -92,13 +94,13 @@ class PagedKVCache:
                 shape = (num_blocks[spec.group] * block_size, spec.num_kv_heads, spec.head_dim)
                 self.keys[spec.index] = torch.zeros(shape, device=device, dtype=dtype)
                 self.values[spec.index] = torch.zeros(shape, device=device, dtype=dtype)
-                self.page_index[spec.index] = 0
-        # Which group's addressing each layer reads, and on which page of its blocks: its own,
-        # or its KV producer's.
+                self.place[spec.index] = LanePlace()
+        # Which group's addressing each layer reads, and where in its blocks: its own, or its
+        # KV producer's.
         self.group_of_layer = {
             spec.index: arch.layers[spec.kv_source].group for spec in arch.layers
         }
-        self.page_of_layer = {spec.index: self.page_index[spec.kv_source] for spec in arch.layers}
+        self.place_of_layer = {spec.index: self.place[spec.kv_source] for spec in arch.layers}
 
     def _allocate_lanes(
         self,
@@ -107,19 +109,26 @@ class PagedKVCache:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        shapes = {(spec.num_kv_heads, spec.head_dim) for spec in storing}
-        if len(shapes) != 1:
-            raise ValueError(f"shared pages need one K/V shape for every layer, got {shapes}")
-        shape = (layout.num_pages * self.block_size, *shapes.pop())
-        key_lanes = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layout.lanes)]
-        value_lanes = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layout.lanes)]
+        lane_elements = layout.num_pages * self.block_size * layout.lane_width
+        key_lanes = [
+            torch.zeros(lane_elements, device=device, dtype=dtype) for _ in range(layout.lanes)
+        ]
+        value_lanes = [
+            torch.zeros(lane_elements, device=device, dtype=dtype) for _ in range(layout.lanes)
+        ]
         for group in {spec.group for spec in storing}:
-            layers = [spec.index for spec in storing if spec.group == group]
-            for i, layer in enumerate(layers):
-                self.keys[layer] = key_lanes[i % layout.lanes]
-                self.values[layer] = value_lanes[i % layout.lanes]
-                self.page_index[layer] = i // layout.lanes
-            pages_per_block = layout.pages_for_layers(len(layers))
+            layers = [spec for spec in storing if spec.group == group]
+            widths = {spec.num_kv_heads * spec.head_dim for spec in layers}
+            if len(widths) != 1:
+                raise ValueError(f"shared pages need one width per group, got {widths} ({group})")
+            width = widths.pop()
+            for i, spec in enumerate(layers):
+                place = layout.place(i, width)
+                shape = (-1, spec.num_kv_heads, spec.head_dim)
+                self.keys[spec.index] = key_lanes[place.lane].view(shape)
+                self.values[spec.index] = value_lanes[place.lane].view(shape)
+                self.place[spec.index] = place
+            pages_per_block = layout.pages_for(len(layers), width)
             if pages_per_block > 1:
                 self.page_maps[group] = torch.zeros(
                     layout.num_pages, pages_per_block, dtype=torch.long, device=device
@@ -130,12 +139,16 @@ class PagedKVCache:
         for block in blocks:
             self.page_maps[block.group][block.block_id] = torch.tensor(block.pages)
 
-    def relocate(self, group: str, page: int, slots: torch.Tensor) -> torch.Tensor:
-        """Slots on a block's first page -> the same offsets on its page `page` (page 0: as is)."""
-        if page == 0:
+    def relocate(self, group: str, place: LanePlace, slots: torch.Tensor) -> torch.Tensor:
+        """Slots on a block's first page -> the same offsets where a layer at `place` keeps
+        them (its page of the block, and its part of that page's lane)."""
+        if not place.moves_slots:
             return slots
         bs = self.block_size
-        return self.page_maps[group][:, page][slots // bs] * bs + slots % bs
+        pages = slots // bs
+        if place.page:
+            pages = self.page_maps[group][:, place.page][pages]
+        return (pages * place.parts + place.part) * bs + slots % bs
 
     def write(
         self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
@@ -154,10 +167,8 @@ class PagedKVCache:
         bs = self.block_size
         for layer in self.keys:
             if self.group_of_layer[layer] == group:
-                src, dst = src_pages[self.page_index[layer]], dst_pages[self.page_index[layer]]
-                self.keys[layer][dst * bs : (dst + 1) * bs] = self.keys[layer][
-                    src * bs : (src + 1) * bs
-                ]
-                self.values[layer][dst * bs : (dst + 1) * bs] = self.values[layer][
-                    src * bs : (src + 1) * bs
-                ]
+                place = self.place[layer]
+                src = (src_pages[place.page] * place.parts + place.part) * bs
+                dst = (dst_pages[place.page] * place.parts + place.part) * bs
+                self.keys[layer][dst : dst + bs] = self.keys[layer][src : src + bs]
+                self.values[layer][dst : dst + bs] = self.values[layer][src : src + bs]

@@ -212,8 +212,9 @@ class PagedAttentionStep:
             name: _GroupPlan(group, batch, windows.get(name), device, dtype)
             for name, group in batch.groups.items()
         }
-        # Plans of layers on a block's later pages (shared pages), made on first use.
-        self._relocated: dict[tuple[str, int], _GroupPlan] = {}
+        # Plans of layers elsewhere in a block than its first page (shared pages), made on
+        # first use.
+        self._relocated: dict[tuple[str, int, int, int], _GroupPlan] = {}
         # Mass is reported per key of the primary group: "full" if the model has it.
         self.primary = "full" if "full" in self.plans else next(iter(self.plans), "full")
         wanted = H2O_MASS_GROUPS if mass_groups is None else tuple(mass_groups)
@@ -226,16 +227,17 @@ class PagedAttentionStep:
                 )
 
     def _plan_of(self, layer: int) -> _GroupPlan:
-        """The addressing `layer` reads: its group's, on the page of a block it lives on."""
-        group, page = self.cache.group_of_layer[layer], self.cache.page_of_layer[layer]
-        if page == 0:
+        """The addressing `layer` reads: its group's, moved to where in a block it lives."""
+        group, place = self.cache.group_of_layer[layer], self.cache.place_of_layer[layer]
+        if not place.moves_slots:
             return self.plans[group]
-        plan = self._relocated.get((group, page))
+        key = (group, place.page, place.part, place.parts)  # layers in other lanes: alike
+        plan = self._relocated.get(key)
         if plan is None:
             plan = self.plans[group].relocated(
-                lambda slots: self.cache.relocate(group, page, slots)
+                lambda slots: self.cache.relocate(group, place, slots)
             )
-            self._relocated[group, page] = plan
+            self._relocated[key] = plan
         return plan
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
