@@ -135,9 +135,13 @@ class PagedKVCache:
                 )
 
     def assign_pages(self, blocks: list[Block]) -> None:
-        """Record where newly allocated multi-page blocks live, in allocation order."""
-        for block in blocks:
-            self.page_maps[block.group][block.block_id] = torch.tensor(block.pages)
+        """Record where newly allocated multi-page blocks live, in allocation order (a block
+        id reused within the list takes its last pages)."""
+        for group, page_map in self.page_maps.items():
+            latest = {block.block_id: block.pages for block in blocks if block.group == group}
+            if latest:
+                ids = torch.tensor(list(latest), device=page_map.device)
+                page_map[ids] = torch.tensor(list(latest.values()), device=page_map.device)
 
     def relocate(self, group: str, place: LanePlace, slots: torch.Tensor) -> torch.Tensor:
         """Slots on a block's first page -> the same offsets where a layer at `place` keeps
