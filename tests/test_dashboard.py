@@ -63,7 +63,13 @@ def test_dashboard_shows_live_metrics_and_drives_the_load_generator(server, tmp_
                 "ttft-p50", "ttft-p99", "tpot-p95", "e2e-p50", "prefix-tokens",
             ):  # fmt: skip
                 expect(page.locator(f"#{panel}")).to_have_text(NUMBER)
-            expect(page.locator("#kv-groups .kv-group")).not_to_have_count(0)
+            # The embedded model's groups share one page pool: a row per group and the free
+            # pages, in pages.
+            expect(page.locator("#kv-groups .kv-group")).to_have_count(3)
+            expect(page.locator('[data-group="free"] .num')).to_have_text(re.compile(r"\d pages"))
+            expect(page.locator("#kv-summary")).to_have_text(
+                re.compile(r"pages \S 16 tokens \S pages a block: full 1, sliding 5")
+            )
 
             # Drive a run from the form.
             page.fill("#lg-users", "2")

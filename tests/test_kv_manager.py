@@ -74,6 +74,7 @@ def test_sliding_group_frees_blocks_out_of_the_window():
     groups = kv.stats()["groups"]
     assert groups["sliding"] == {
         "total": 32,
+        "pages_per_block": 1,
         "in_use": 2,
         "cached_unused": 3,
         "free": 27,
@@ -110,7 +111,14 @@ def test_sliding_group_without_prefix_caching_returns_blocks_to_the_free_queue()
     seq = make_seq(list(range(20)))
     prefill(kv, seq)
     sliding = kv.stats()["groups"]["sliding"]
-    assert sliding == {"total": 8, "in_use": 2, "cached_unused": 0, "free": 6, "reclaimed": 0}
+    assert sliding == {
+        "total": 8,
+        "pages_per_block": 1,
+        "in_use": 2,
+        "cached_unused": 0,
+        "free": 6,
+        "reclaimed": 0,
+    }
     kv.free(seq)
     assert_all_released(kv)
 

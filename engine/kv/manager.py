@@ -615,6 +615,7 @@ class KVCacheManager:
             "groups": {
                 name: {
                     "total": pool.num_total,
+                    "pages_per_block": pool.pages_per_block,
                     "in_use": pool.num_in_use,
                     "cached_unused": pool.num_cached_unused,
                     "free": pool.num_free,

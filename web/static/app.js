@@ -113,16 +113,32 @@ function barRow(className, dataset, name, parts, numText) {
 }
 
 function renderKv(kv) {
-  $("kv-groups").replaceChildren(
-    ...Object.entries(kv.groups).map(([name, g]) => {
+  const pool = kv.shared_pages;
+  const groups = Object.entries(kv.groups);
+  let rows;
+  if (pool) {
+    // One page pool the groups share: each row is what its group takes of it, in pages.
+    const total = pool.total || 1;
+    rows = groups.map(([name, g]) => {
+      const inUse = g.in_use * g.pages_per_block;
+      const cached = g.cached_unused * g.pages_per_block;
+      const parts = [["in-use", inUse / total], ["cached", cached / total]];
+      return barRow("kv-group", { group: name }, name, parts, `${fmtInt(inUse)} / ${fmtInt(cached)} pages`);
+    });
+    rows.push(barRow("kv-group", { group: "free" }, "free", [["free", pool.free / total]], `${fmtInt(pool.free)} pages`));
+    const blocks = groups.map(([name, g]) => `${name} ${g.pages_per_block}`);
+    setText("kv-summary", `${fmtInt(pool.total)} pages × ${kv.block_size} tokens · pages a block: ${blocks.join(", ")}`);
+  } else {
+    // A pool per group, sized by layer kind: sliding-window groups hold less than full attention.
+    rows = groups.map(([name, g]) => {
       const total = g.in_use + g.cached_unused + g.free || 1;
       const parts = [["in-use", g.in_use / total], ["cached", g.cached_unused / total], ["free", g.free / total]];
       return barRow("kv-group", { group: name }, name, parts, `${g.in_use} / ${g.cached_unused} / ${g.free}`);
-    })
-  );
-  // Pools are sized by layer kind: sliding-window groups hold less than full attention.
-  const sizes = Object.entries(kv.groups).map(([name, g]) => `${name} ${fmtInt(g.total)}`);
-  setText("kv-summary", `${sizes.join(" · ")} blocks × ${kv.block_size} tokens`);
+    });
+    const sizes = groups.map(([name, g]) => `${name} ${fmtInt(g.total)}`);
+    setText("kv-summary", `${sizes.join(" · ")} blocks × ${kv.block_size} tokens`);
+  }
+  $("kv-groups").replaceChildren(...rows);
   const p = kv.prefix_cache;
   setText("prefix-tokens", `${fmtInt(p.hit_tokens)} / ${fmtInt(p.query_tokens)}`);
   setText("prefix-exact", fmtInt(p.exact_hits));
