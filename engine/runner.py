@@ -177,4 +177,5 @@ def _group_attention(
         key_slots=key_slots,
         key_positions=key_positions.masked_fill(~key_valid, -1),
         key_valid=key_valid,
+        block_ids=block_ids,
     )

@@ -26,6 +26,9 @@ class GroupAttention:
     key_slots:    [B, K] slots each sequence attends to, padded (padding points at slot 0).
     key_positions:[B, K] position of each key; padding holds -1.
     key_valid:    [B, K] False on padding.
+    block_ids:    [B, K / block_size] the block each run of block_size key slots lies in
+                  (padding: block 0), when key_slots are laid out by blocks (the model runner's
+                  batches always are); needed for layers on a block's other pages (SharedPages).
     The new tokens of this step are already included in key_slots (they are written
     before attention reads the cache).
     """
@@ -34,6 +37,7 @@ class GroupAttention:
     key_slots: torch.Tensor
     key_positions: torch.Tensor
     key_valid: torch.Tensor
+    block_ids: torch.Tensor | None = None
 
 
 @dataclass

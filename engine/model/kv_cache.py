@@ -80,8 +80,10 @@ class PagedKVCache:
         self.values: dict[int, torch.Tensor] = {}
         # Where in a block each storing layer's K/V sits (its first page unless pages are shared).
         self.place: dict[int, LanePlace] = {}
-        # Group -> [num_pages, pages per block]: a multi-page block's pages by its first page.
+        # Group -> [pages per block, num_pages]: a multi-page block's pages by its first page.
         self.page_maps: dict[str, torch.Tensor] = {}
+        # Group -> how many of its layers share a lane (its layers are that much narrower).
+        self.parts_of_group: dict[str, int] = {}
         storing = [spec for spec in arch.layers if spec.stores_kv]
         if isinstance(num_blocks, SharedPages):
             self._allocate_lanes(storing, num_blocks, device, dtype)
@@ -122,6 +124,7 @@ class PagedKVCache:
             if len(widths) != 1:
                 raise ValueError(f"shared pages need one width per group, got {widths} ({group})")
             width = widths.pop()
+            self.parts_of_group[group] = layout.layers_per_lane(width)
             for i, spec in enumerate(layers):
                 place = layout.place(i, width)
                 shape = (-1, spec.num_kv_heads, spec.head_dim)
@@ -131,7 +134,7 @@ class PagedKVCache:
             pages_per_block = layout.pages_for(len(layers), width)
             if pages_per_block > 1:
                 self.page_maps[group] = torch.zeros(
-                    layout.num_pages, pages_per_block, dtype=torch.long, device=device
+                    pages_per_block, layout.num_pages, dtype=torch.long, device=device
                 )
 
     def assign_pages(self, blocks: list[Block]) -> None:
@@ -141,18 +144,20 @@ class PagedKVCache:
             latest = {block.block_id: block.pages for block in blocks if block.group == group}
             if latest:
                 ids = torch.tensor(list(latest), device=page_map.device)
-                page_map[ids] = torch.tensor(list(latest.values()), device=page_map.device)
+                pages = torch.tensor(list(latest.values()), device=page_map.device)
+                page_map[:, ids] = pages.t()
 
-    def relocate(self, group: str, place: LanePlace, slots: torch.Tensor) -> torch.Tensor:
-        """Slots on a block's first page -> the same offsets where a layer at `place` keeps
-        them (its page of the block, and its part of that page's lane)."""
-        if not place.moves_slots:
-            return slots
-        bs = self.block_size
-        pages = slots // bs
-        if place.page:
-            pages = self.page_maps[group][:, place.page][pages]
-        return (pages * place.parts + place.part) * bs + slots % bs
+    def relocate_blocks(self, group: str, blocks: torch.Tensor) -> torch.Tensor:
+        """Blocks (named by their first page) -> `[pages per block, parts, *blocks.shape]`:
+        the same blocks in the pool of a layer on each page of the blocks and part of the
+        lane (LanePlace.page, LanePlace.part), every place of the group at once."""
+        page_map = self.page_maps.get(group)
+        pages = blocks[None] if page_map is None else page_map[:, blocks]
+        parts = self.parts_of_group.get(group, 1)
+        if parts == 1:
+            return pages[:, None]
+        part = torch.arange(parts, device=blocks.device).view(1, parts, *[1] * blocks.dim())
+        return pages[:, None] * parts + part
 
     def write(
         self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor

@@ -39,7 +39,8 @@ tests/test_paged_attention.py's mass test pins the full-only sum.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Collection, Iterator
+import itertools
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -87,6 +88,8 @@ class _GroupPlan:
             self.write_rows = rows.to(device)
             self.write_slots = slot_mapping[rows].to(device)
 
+        self.block_ids = group.block_ids
+        self.device = device
         key_valid = group.key_valid
         self.key_valid = key_valid
         self.key_positions = group.key_positions
@@ -99,12 +102,29 @@ class _GroupPlan:
         self.num_cols = num_cols
         self.chunks = list(self._chunks(group, batch, widths, window, device, dtype))
 
-    def relocated(self, move: Callable[[torch.Tensor], torch.Tensor]) -> _GroupPlan:
-        """This plan for layers on another page of the blocks: every slot moved by `move`."""
-        plan = copy.copy(self)
-        plan.write_slots = move(self.write_slots)
-        plan.chunks = [replace(chunk, key_slots=move(chunk.key_slots)) for chunk in self.chunks]
-        return plan
+    def relocated(self, cache: PagedKVCache, group: str) -> dict[tuple[int, int], _GroupPlan]:
+        """This plan for the layers kept elsewhere in the blocks, by (page, part) of their
+        LanePlace: slots moved for every place at once, the key slots rebuilt from the block
+        tables (block_size times smaller) rather than moved slot by slot."""
+        if self.block_ids is None:
+            raise ValueError("shared pages need key slots laid out by blocks (block_ids)")
+        bs = cache.block_size
+        blocks = cache.relocate_blocks(group, self.block_ids.to(self.device))
+        offsets = torch.arange(bs, device=blocks.device)
+        key_slots = (blocks[..., None] * bs + offsets).flatten(-2)  # [pages, parts, B, K]
+        writes = cache.relocate_blocks(group, self.write_slots // bs) * bs + self.write_slots % bs
+        plans = {}
+        for page, part in itertools.product(range(blocks.shape[0]), range(blocks.shape[1])):
+            plan = copy.copy(self)
+            plan.write_slots = writes[page, part]
+            plan.chunks = [
+                replace(
+                    chunk, key_slots=key_slots[page, part][chunk.seqs, : chunk.num_keys].reshape(-1)
+                )
+                for chunk in self.chunks
+            ]
+            plans[page, part] = plan
+        return plans
 
     @staticmethod
     def _chunks(
@@ -212,9 +232,9 @@ class PagedAttentionStep:
             name: _GroupPlan(group, batch, windows.get(name), device, dtype)
             for name, group in batch.groups.items()
         }
-        # Plans of layers elsewhere in a block than its first page (shared pages), made on
-        # first use.
-        self._relocated: dict[tuple[str, int, int, int], _GroupPlan] = {}
+        # Plans of layers elsewhere in a block than its first page (shared pages), by (group,
+        # page, part), made for all of a group's places on first use.
+        self._relocated: dict[tuple[str, int, int], _GroupPlan] = {}
         # Mass is reported per key of the primary group: "full" if the model has it.
         self.primary = "full" if "full" in self.plans else next(iter(self.plans), "full")
         wanted = H2O_MASS_GROUPS if mass_groups is None else tuple(mass_groups)
@@ -231,14 +251,11 @@ class PagedAttentionStep:
         group, place = self.cache.group_of_layer[layer], self.cache.place_of_layer[layer]
         if not place.moves_slots:
             return self.plans[group]
-        key = (group, place.page, place.part, place.parts)  # layers in other lanes: alike
-        plan = self._relocated.get(key)
-        if plan is None:
-            plan = self.plans[group].relocated(
-                lambda slots: self.cache.relocate(group, place, slots)
-            )
-            self._relocated[key] = plan
-        return plan
+        key = (group, place.page, place.part)
+        if key not in self._relocated:  # the group's first layer off its first page
+            moved = self.plans[group].relocated(self.cache, group)
+            self._relocated.update({(group, *at): plan for at, plan in moved.items()})
+        return self._relocated[key]
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store this step's keys/values ([T, num_kv_heads, head_dim]) of a storing layer."""
