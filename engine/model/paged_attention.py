@@ -115,6 +115,8 @@ class _GroupPlan:
         writes = cache.relocate_blocks(group, self.write_slots // bs) * bs + self.write_slots % bs
         plans = {}
         for page, part in itertools.product(range(blocks.shape[0]), range(blocks.shape[1])):
+            if page == 0 and blocks.shape[1] == 1:
+                continue  # where the block tables point: this plan
             plan = copy.copy(self)
             plan.write_slots = writes[page, part]
             plan.chunks = [
