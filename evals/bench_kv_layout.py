@@ -16,7 +16,7 @@ a shuffled order, so the machine's drift hits both alike; the figure is the medi
   Gemma4TextConfig (5 full-attention layers of 4 KV heads x 512 and 25 sliding ones of
   4 x 256 over 512 tokens) with a small hidden size, MLP and vocabulary, float32 with the
   packed kernels. Its pages are one lane, two sliding layers to a lane: a full block on 5
-  pages, a sliding one on 13, so 28 places a step moves slots to. With small linear layers,
+  pages, a sliding one on 13, so 29 places a step moves slots to. With small linear layers,
   the KV layout's share of a step is larger than in a real Gemma 4.
 
     python -m evals.bench_kv_layout [--model embedded|gemma4] [--users 1 16 32] [--rounds 4]
