@@ -18,7 +18,7 @@ from engine.backends.base import InferenceBackend
 from engine.kv.manager import BlockCopy, KVCacheManager
 from engine.kv.sizing import SharedPages
 from engine.model import cpu_ops
-from engine.model.batch import ForwardBatch, GroupAttention
+from engine.model.batch import ForwardBatch, GroupAttention, slots_of_blocks
 from engine.model.kv_cache import PagedKVCache, cache_group_specs
 from engine.model.paged_attention import PagedAttentionStep
 from engine.sched.output import ScheduledSeq
@@ -166,9 +166,8 @@ def _group_attention(
         [[index for _, index in blocks] + [-1] * (width - len(blocks)) for blocks in held],
         dtype=torch.long,
     ).view(len(held), width)
-    offsets = torch.arange(block_size)
-    key_slots = (block_ids[:, :, None] * block_size + offsets).view(len(held), -1)
-    key_positions = (logical[:, :, None] * block_size + offsets).view(len(held), -1)
+    key_slots = slots_of_blocks(block_ids, block_size)
+    key_positions = slots_of_blocks(logical, block_size)  # logical blocks: positions
     key_valid = (key_positions >= 0) & (
         key_positions < torch.tensor(ends, dtype=torch.long)[:, None]
     )

@@ -124,10 +124,8 @@ def shared_pages(
     could ever hold, as in blocks_per_group.
     """
     lane_width = max(layer_width(group) for group in groups)
-    lane_slots = [
-        -(-len(group.layer_ids) // (lane_width // layer_width(group))) for group in groups
-    ]
-    lanes = lanes_per_page(lane_slots)
+    one_lane = SharedPages(0, 1, lane_width)  # a block's pages then count its lane slots
+    lanes = lanes_per_page([one_lane.pages_per_block(group) for group in groups])
     first = groups[0]
     element_bytes = first.bytes_per_token // (2 * len(first.layer_ids) * layer_width(first))
     page_bytes = lanes * 2 * lane_width * element_bytes * block_size

@@ -18,6 +18,12 @@ from itertools import pairwise
 import torch
 
 
+def slots_of_blocks(block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[..., n] block ids -> [..., n * block_size]: every slot of those blocks, in order."""
+    offsets = torch.arange(block_size, device=block_ids.device)
+    return (block_ids[..., None] * block_size + offsets).flatten(-2)
+
+
 @dataclass
 class GroupAttention:
     """Paged-cache addressing for one cache group (all layers that share block tables).

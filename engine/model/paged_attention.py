@@ -46,8 +46,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from engine.kv.sizing import LanePlace
 from engine.model import cpu_ops
-from engine.model.batch import ForwardBatch, GroupAttention
+from engine.model.batch import ForwardBatch, GroupAttention, slots_of_blocks
 from engine.model.kv_cache import PagedKVCache
 
 # The cache groups whose layers' attention mass H2O's scores sum (see the module docstring).
@@ -110,12 +111,12 @@ class _GroupPlan:
             raise ValueError("shared pages need key slots laid out by blocks (block_ids)")
         bs = cache.block_size
         blocks = cache.relocate_blocks(group, self.block_ids.to(self.device))
-        offsets = torch.arange(bs, device=blocks.device)
-        key_slots = (blocks[..., None] * bs + offsets).flatten(-2)  # [pages, parts, B, K]
+        key_slots = slots_of_blocks(blocks, bs)  # [pages, parts, B, K]
         writes = cache.relocate_blocks(group, self.write_slots // bs) * bs + self.write_slots % bs
+        num_pages, parts = blocks.shape[:2]
         plans = {}
-        for page, part in itertools.product(range(blocks.shape[0]), range(blocks.shape[1])):
-            if page == 0 and blocks.shape[1] == 1:
+        for page, part in itertools.product(range(num_pages), range(parts)):
+            if not LanePlace(page=page, part=part, parts=parts).moves_slots:
                 continue  # where the block tables point: this plan
             plan = copy.copy(self)
             plan.write_slots = writes[page, part]
