@@ -112,7 +112,7 @@ def check_manager(kv: KVCacheManager) -> None:
     for state in kv._seqs.values():
         for group, table in state.tables.items():
             held[group].update(b.block_id for b in table if b is not None)
-    for pin in kv._pins.values():  # a session pin holds one reference per block
+    for pin in kv.pins._pins.values():  # a session pin holds one reference per block
         for block in pin.blocks:
             held[block.group][block.block_id] += 1
     for group, pool in kv.pools.items():

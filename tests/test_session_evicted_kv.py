@@ -67,12 +67,12 @@ def test_ten_turns_prefill_only_their_new_tokens_in_bounded_memory() -> None:
         stats = kv.stats()
         assert (stats["pinned_sessions"], stats["kept_sessions"]) == (1, 1)
         # Between turns the session holds exactly its kept state, and it counts as free.
-        assert kv.pinned_blocks("t") == kv.pools["full"].num_in_use == BUDGET
+        assert kv.pins.pinned_blocks("t") == kv.pools["full"].num_in_use == BUDGET
         assert kv.num_free_blocks == kv.num_total_blocks
         check_manager(kv)
         history, previous = seq.token_ids, seq
     assert len(history) > 8 * BUDGET_TOKENS
-    assert kv.unpin("t", "s")
+    assert kv.pins.unpin("t", "s")
     assert_all_released(kv)
 
 
@@ -107,7 +107,7 @@ def test_an_adopted_state_keeps_every_position() -> None:
     assert [index for _, index in kv.layout(second)["sliding"]] == [5, 6, 7]
     check_manager(kv)
     kv.free(second)
-    kv.unpin("t", "s")
+    kv.pins.unpin("t", "s")
     assert_all_released(kv)
 
 
@@ -134,7 +134,7 @@ def test_a_diverging_turn_releases_the_kept_state_and_matches_the_prefix_cache()
     edited = turn([*first.token_ids[:20], 999, 998])  # the history was edited at token 20
     # Blocks 0-5 were published before the step's eviction and are still cached.
     assert kv.match_prefix(edited) == 20
-    assert kv.stats()["kept_sessions"] == 0 and kv.pinned_blocks() == 0
+    assert kv.stats()["kept_sessions"] == 0 and kv.pins.pinned_blocks() == 0
     check_manager(kv)
     kv.free(edited)
     assert_all_released(kv)
@@ -154,19 +154,19 @@ def test_a_turn_without_the_same_policy_does_not_adopt() -> None:
 def test_a_kept_state_yields_like_any_pin() -> None:
     kv = KVCacheManager([FULL], num_blocks=64, block_size=BS, pin_quota_blocks=BUDGET)
     first_turn(kv)
-    assert kv.pinned_blocks("t") == BUDGET and kv.num_free_blocks == kv.num_total_blocks
-    assert kv.release_oldest_pin() and kv.stats()["released_pins"] == 1
+    assert kv.pins.pinned_blocks("t") == BUDGET and kv.num_free_blocks == kv.num_total_blocks
+    assert kv.pins.release_oldest() and kv.stats()["released_pins"] == 1
     assert_all_released(kv)
     kv = KVCacheManager([FULL], num_blocks=64, block_size=BS)
     first_turn(kv)
-    assert kv.unpin_idle(before=1.0) == 1
+    assert kv.pins.release_idle(before=1.0) == 1
     assert_all_released(kv)
     kv = KVCacheManager([FULL], num_blocks=64, block_size=BS, pin_quota_blocks=BUDGET - 1)
     seq = turn(list(range(24)))
     kv.match_prefix(seq)
     step(kv, seq, 24, sampled=50)
     kv.free(seq, pin_at=0.0)  # the kept state is larger than the quota: not kept
-    assert kv.pinned_blocks() == 0
+    assert kv.pins.pinned_blocks() == 0
     assert_all_released(kv)
 
 
@@ -177,7 +177,7 @@ def test_an_aborted_adopted_turn_keeps_nothing() -> None:
     kv.match_prefix(second)
     step(kv, second, 3, sampled=50)
     kv.free(second)  # aborted: no pin time
-    assert kv.pinned_blocks() == 0
+    assert kv.pins.pinned_blocks() == 0
     assert_all_released(kv)
 
 
@@ -195,7 +195,7 @@ def test_the_scheduler_reports_adopted_tokens_as_cached_and_does_not_charge_them
         if number:
             assert seq.num_cached_prompt_tokens == len(history) - 1
             assert sched.ledger.tenants["t"].prompt_tokens - charged_before == 1 + 2
-        assert kv.pinned_blocks("t") <= BUDGET
+        assert kv.pins.pinned_blocks("t") <= BUDGET
         history = seq.token_ids
     assert sched.end_session("t", "s")
     assert_all_released(kv)

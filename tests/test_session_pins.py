@@ -28,7 +28,7 @@ def test_a_pinned_turn_survives_other_traffic_and_serves_the_next_turn() -> None
     kv = KVCacheManager([FULL], num_blocks=8, block_size=BS)
     first = turn(list(range(10)))  # 10 prompt tokens + 1 sampled: blocks 0, 1 are full
     finish_turn(kv, first)
-    assert kv.pinned_blocks("t") == 2 and kv.stats()["pinned_sessions"] == 1
+    assert kv.pins.pinned_blocks("t") == 2 and kv.stats()["pinned_sessions"] == 1
     # Held, but only by the pin: released on demand, so they count as free.
     assert kv.pools["full"].num_in_use == 2
     assert (kv.num_free_blocks, kv.usage, kv.is_exhausted) == (8, 0.0, False)
@@ -42,7 +42,7 @@ def test_a_pinned_turn_survives_other_traffic_and_serves_the_next_turn() -> None
     assert kv.match_prefix(nxt) == 8  # the whole history, to a block
     check_manager(kv)
     kv.free(nxt)
-    assert kv.unpin("t", "s") and not kv.unpin("t", "s")
+    assert kv.pins.unpin("t", "s") and not kv.pins.unpin("t", "s")
     assert_all_released(kv)
 
 
@@ -63,10 +63,10 @@ def test_a_new_turn_moves_the_pin_and_the_old_blocks_stay_held_once() -> None:
     finish_turn(kv, first)
     second = turn([*first.token_ids, 50, 51, 52, 53, 54])  # 16 tokens + 1 sampled
     finish_turn(kv, second)
-    assert kv.pinned_blocks() == 4  # blocks 0-3 of the second turn, 0-1 shared with the first
+    assert kv.pins.pinned_blocks() == 4  # blocks 0-3 of the second turn, 0-1 shared with the first
     assert kv.pools["full"].num_in_use == 4
     check_manager(kv)
-    kv.unpin("t", "s")
+    kv.pins.unpin("t", "s")
     assert_all_released(kv)
 
 
@@ -75,22 +75,22 @@ def test_a_tenants_pins_beyond_its_quota_go_oldest_first() -> None:
     for i, session in enumerate(["a", "b", "c"]):
         finish_turn(kv, turn(list(range(100 * i, 100 * i + 8)), session=session), now=i)
     # Each pins 2 blocks: the third pin puts the tenant at 6 > 5, so "a" goes.
-    assert not kv.unpin("t", "a") and kv.pinned_blocks("t") == 4
+    assert not kv.pins.unpin("t", "a") and kv.pins.pinned_blocks("t") == 4
     finish_turn(kv, turn(list(range(900, 908)), session="x", tenant="other"), now=3)
-    assert kv.pinned_blocks("other") == 2  # another tenant's quota is its own
+    assert kv.pins.pinned_blocks("other") == 2  # another tenant's quota is its own
     # One session larger than the quota is not kept at all.
     finish_turn(kv, turn(list(range(500, 524)), session="big"), now=4)
-    assert not kv.unpin("t", "big")
-    assert kv.stats()["released_pins"] == 1 and kv.pinned_blocks("t") == 4
+    assert not kv.pins.unpin("t", "big")
+    assert kv.stats()["released_pins"] == 1 and kv.pins.pinned_blocks("t") == 4
 
 
 def test_idle_pins_are_released_after_the_idle_time() -> None:
     kv = KVCacheManager([FULL], num_blocks=32, block_size=BS)
     finish_turn(kv, turn(list(range(8)), session="old"), now=10.0)
     finish_turn(kv, turn(list(range(100, 108)), session="new"), now=20.0)
-    assert kv.unpin_idle(before=15.0) == 1
-    assert kv.unpin_idle(before=15.0) == 0
-    assert not kv.unpin("t", "old") and kv.unpin("t", "new")
+    assert kv.pins.release_idle(before=15.0) == 1
+    assert kv.pins.release_idle(before=15.0) == 0
+    assert not kv.pins.unpin("t", "old") and kv.pins.unpin("t", "new")
     assert_all_released(kv)
 
 
@@ -99,7 +99,7 @@ def test_an_aborted_turn_pins_nothing() -> None:
     seq = turn(list(range(10)))
     prefill(kv, seq)
     kv.free(seq)  # the scheduler passes no pin time for an abort
-    assert kv.pinned_blocks() == 0
+    assert kv.pins.pinned_blocks() == 0
     assert_all_released(kv)
 
 
@@ -113,13 +113,13 @@ def test_the_scheduler_pins_finished_turns_and_releases_pins_before_preempting()
     while sched.has_work:
         run_step(sched)
     assert done.finish_reason is FinishReason.LENGTH
-    assert kv.pinned_blocks("t") == 3
+    assert kv.pins.pinned_blocks("t") == 3
     # A request needing every block: the pin is released rather than refusing or waiting.
     big = turn(list(range(100, 128)), session=None)
     big.sampling = SamplingParams(max_tokens=4)
     assert sched.add(big).accepted
     run_step(sched)
-    assert big.num_computed_tokens == 28 and kv.pinned_blocks() == 0
+    assert big.num_computed_tokens == 28 and kv.pins.pinned_blocks() == 0
     assert kv.stats()["released_pins"] == 1
     while sched.has_work:
         run_step(sched)
@@ -137,8 +137,8 @@ def test_the_scheduler_releases_idle_pins_and_ended_sessions() -> None:
         while sched.has_work:
             run_step(sched)
         clock.now += 30
-    assert sched.end_session("t", "b") and kv.pinned_blocks() == 2
+    assert sched.end_session("t", "b") and kv.pins.pinned_blocks() == 2
     clock.now += 31  # "a" ended its turn 61 s ago
     sched.schedule()
-    assert kv.pinned_blocks() == 0
+    assert kv.pins.pinned_blocks() == 0
     assert_all_released(kv)

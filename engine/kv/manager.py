@@ -12,13 +12,10 @@ Lifecycle of a sequence, as driven by the scheduler and the engine:
     kv.free(seq)                           # finished, aborted or preempted
     kv.free(seq, pin_at=now)               # finished turn of a session: keep its KV pinned
 
-Session pins. A finished turn of a conversation (seq.kv_session) keeps references on its
-published blocks, so other traffic cannot reclaim them and the next turn, whose prompt extends
-this one, prefills only its new tokens. A session's new pin replaces its old one. Pins yield
-whenever memory is needed: the scheduler releases the least recently used pin before it
-shrinks a chunk or preempts (release_oldest_pin), a tenant's pins beyond its quota are
-released oldest first, and idle pins are released by unpin_idle(). A released pin's blocks
-stay in the prefix cache, reclaimable: nothing is lost, at worst recomputed.
+Session pins (engine.kv.session_pins). A finished turn of a conversation (seq.kv_session)
+keeps references on its published blocks, so the next turn, whose prompt extends this one,
+prefills only its new tokens. The scheduler releases the least recently used pin before it
+shrinks a chunk or preempts, and idle pins after SESSION_KV_IDLE_S.
 
 Kept evicted caches. Blocks computed after an eviction are never published (they are wrong for
 anyone else), so a turn that evicted pins its whole block state instead: the tables with their
@@ -40,7 +37,6 @@ block_id * block_size + offset, on the block's first page (the runner maps its o
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field, replace
@@ -50,6 +46,7 @@ from engine.backends.base import CacheGroupSpec
 from engine.kv.block_pool import Block, BlockPool, PagePool
 from engine.kv.eviction import EVICTION_POLICIES, EvictionPolicy, make_policy
 from engine.kv.prefix_cache import PrefixCache, RadixNode
+from engine.kv.session_pins import SessionPins
 from engine.kv.sizing import SharedPages, window_blocks
 from engine.request import Sequence
 
@@ -102,17 +99,6 @@ class _Kept:
     token_ids: list[int]  # the tokens whose K/V the state holds: the turn's computed tokens
     cache_salt: str | None
     eviction_policy: str
-
-
-@dataclass
-class _Pin:
-    """A session's pinned blocks (one reference each) and when its last turn ended; with
-    `kept`, the blocks are those of that evicted state."""
-
-    tenant: str
-    blocks: list[Block]
-    last_used: float
-    kept: _Kept | None = None
 
 
 class KVCacheManager:
@@ -174,10 +160,7 @@ class KVCacheManager:
         }
         self._seqs: dict[int, _SeqBlocks] = {}
         self._copies: list[BlockCopy] = []
-        self.pin_quota_blocks = pin_quota_blocks
-        # (tenant, session) -> its pin, least recently used first.
-        self._pins: OrderedDict[tuple[str, str], _Pin] = OrderedDict()
-        self.num_released_pins = 0  # by pressure, quota or idleness (not by unpin())
+        self.pins: SessionPins[_Kept] = SessionPins(self.pools, self.primary, pin_quota_blocks)
         self.num_resumed_kept = 0  # turns that continued their session's kept evicted cache
         self.num_cow_copies = 0
         self.num_evicted_blocks = 0  # dropped by per-session eviction policies
@@ -233,13 +216,7 @@ class KVCacheManager:
 
     def _num_free(self, group: str) -> int:
         pool = self.pools[group]
-        pin_refs: Counter[Block] = Counter(
-            block
-            for pin in self._pins.values()
-            for block in pin.blocks
-            if self.pools[block.group].page_pool is pool.page_pool
-        )
-        only_pinned = sum(len(b.pages) for b, refs in pin_refs.items() if b.ref_count == refs)
+        only_pinned = self.pins.pages_only_pinned(pool.page_pool)
         return (pool.page_pool.num_available + only_pinned) // pool.pages_per_block
 
     def _fits(self, plan: dict[str, tuple[int, list[int]]]) -> bool:
@@ -410,50 +387,10 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ session pins
 
-    def unpin(self, tenant: str, session: str) -> bool:
-        """Release a session's pin (its conversation ended); False if it had none."""
-        pin = self._pins.pop((tenant, session), None)
-        if pin is None:
-            return False
-        self._drop(pin)
-        return True
-
-    def release_oldest_pin(self) -> bool:
-        """Release the least recently used pin to make room; False if there is none."""
-        if not self._pins:
-            return False
-        _, pin = self._pins.popitem(last=False)
-        self._drop(pin)
-        self.num_released_pins += 1
-        return True
-
-    def unpin_idle(self, before: float) -> int:
-        """Release the pins whose last turn ended before `before`; how many."""
-        released = 0
-        while self._pins:
-            key, pin = next(iter(self._pins.items()))
-            if pin.last_used >= before:
-                break
-            del self._pins[key]
-            self._drop(pin)
-            released += 1
-        self.num_released_pins += released
-        return released
-
-    def pinned_blocks(self, tenant: str | None = None) -> int:
-        """Primary-group blocks held by session pins (of one tenant, or of everyone)."""
-        return sum(
-            sum(block.group == self.primary for block in pin.blocks)
-            for pin in self._pins.values()
-            if tenant is None or pin.tenant == tenant
-        )
-
     def _pin(self, seq: Sequence, state: _SeqBlocks, now: float) -> None:
-        """Pin seq's published blocks (or, after an eviction, its whole state) for its session,
-        replacing the session's old pin; then release the tenant's oldest pins while it is
-        over its quota. A turn larger than the whole quota is not pinned."""
+        """Pin seq's published blocks (or, after an eviction, its whole state) for its
+        session."""
         assert seq.kv_session is not None
-        key = (seq.tenant, seq.kv_session)
         kept = self._kept_of(seq, state)
         if kept is not None:
             blocks = [b for table in state.tables.values() for b in table if b is not None]
@@ -463,24 +400,7 @@ class KVCacheManager:
                 for index in range(len(state.path))
                 for block in self._held_at(state, index).values()
             ]
-        quota = self.pin_quota_blocks
-        old = self._pins.pop(key, None)
-        if quota is not None and sum(b.group == self.primary for b in blocks) > quota:
-            blocks = []
-        for block in blocks:
-            self.pools[block.group].incref(block)
-        if old is not None:
-            self._drop(old)  # after the new references: blocks in both stay held
-        if not blocks:
-            return
-        self._pins[key] = _Pin(seq.tenant, blocks, now, kept)
-        if quota is None:
-            return
-        for other in [k for k, pin in self._pins.items() if pin.tenant == seq.tenant]:
-            if self.pinned_blocks(seq.tenant) <= quota:
-                break
-            self._drop(self._pins.pop(other))  # this tenant's oldest first
-            self.num_released_pins += 1
+        self.pins.pin(seq.tenant, seq.kv_session, blocks, now, kept)
 
     def _kept_of(self, seq: Sequence, state: _SeqBlocks) -> _Kept | None:
         """What seq's session keeps of a finished turn that evicted: its whole state, with
@@ -499,14 +419,12 @@ class KVCacheManager:
         seq); a kept state seq does not continue is released."""
         if seq.kv_session is None:
             return None
-        key = (seq.tenant, seq.kv_session)
-        pin = self._pins.get(key)
-        if pin is None or pin.kept is None:
+        pin = self.pins.take_kept(seq.tenant, seq.kv_session)
+        if pin is None:
             return None
-        del self._pins[key]
-        if self._continues(seq, pin.kept):
+        if pin.kept is not None and self._continues(seq, pin.kept):
             return pin.kept
-        self._drop(pin)
+        self.pins.drop(pin)
         return None
 
     def _continues(self, seq: Sequence, kept: _Kept) -> bool:
@@ -525,10 +443,6 @@ class KVCacheManager:
     def _evicts(seq: Sequence) -> bool:
         """Whether seq runs under an eviction policy with a KV budget."""
         return seq.eviction_policy != "none" and seq.max_kv_tokens is not None
-
-    def _drop(self, pin: _Pin) -> None:
-        for block in reversed(pin.blocks):  # deepest first, as sequences release
-            self.pools[block.group].decref(block)
 
     # ------------------------------------------------------------------ addressing
 
@@ -607,10 +521,10 @@ class KVCacheManager:
             "num_free_blocks": self.num_free_blocks,
             "usage": self.usage,
             "num_sequences": len(self._seqs),
-            "pinned_sessions": len(self._pins),
-            "pinned_blocks": self.pinned_blocks(),
-            "released_pins": self.num_released_pins,
-            "kept_sessions": sum(pin.kept is not None for pin in self._pins.values()),
+            "pinned_sessions": len(self.pins),
+            "pinned_blocks": self.pins.pinned_blocks(),
+            "released_pins": self.pins.num_released,
+            "kept_sessions": self.pins.num_kept,
             "resumed_kept": self.num_resumed_kept,
             "groups": {
                 name: {

@@ -218,7 +218,7 @@ class Scheduler:
             self._finished_ids = []
             now = self._clock()
             if self.config.session_kv_idle_s is not None:
-                self.kv.unpin_idle(now - self.config.session_kv_idle_s)
+                self.kv.pins.release_idle(now - self.config.session_kv_idle_s)
             for tenant in self._idle_tenants.expired(now):
                 self.policy.forget(tenant)
                 self.ledger.forget(tenant)
@@ -263,7 +263,7 @@ class Scheduler:
     def end_session(self, tenant: str, session: str) -> bool:
         """A conversation ended: release its pinned KV to the prefix cache (reclaimable)."""
         with self._lock:
-            return self.kv.unpin(tenant, session)
+            return self.kv.pins.unpin(tenant, session)
 
     def update(
         self, output: SchedulerOutput, finished: Mapping[int, FinishReason] | None = None
@@ -405,7 +405,7 @@ class Scheduler:
         was preempted."""
         while True:
             num_new = self._largest_fit(seq, wanted)
-            if num_new < wanted and self.kv.release_oldest_pin():
+            if num_new < wanted and self.kv.pins.release_oldest():
                 continue  # idle sessions' pinned KV goes before chunks shrink or anyone waits
             if num_new and self.kv.allocate(seq, num_new):
                 return num_new
@@ -441,7 +441,7 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Move seq from waiting to running with a first chunk of at most `budget` tokens.
         Returns the chunk size, or 0 (changing nothing) when its blocks do not fit."""
-        while self.kv.is_exhausted and self.kv.release_oldest_pin():
+        while self.kv.is_exhausted and self.kv.pins.release_oldest():
             pass
         if self.kv.is_exhausted:
             return 0  # every step computes at least one token into a fresh or copied block
@@ -451,7 +451,7 @@ class Scheduler:
             # A recompute hits the sequence's own blocks; report the first admission's hit.
             seq.num_cached_prompt_tokens = cached_before
         num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        while not self.kv.can_allocate(seq, num_new) and self.kv.release_oldest_pin():
+        while not self.kv.can_allocate(seq, num_new) and self.kv.pins.release_oldest():
             pass
         if not self.kv.allocate(seq, num_new):
             self.kv.free(seq)
