@@ -79,7 +79,9 @@ class IncrementalDetokenizer:
     Stop strings: the earliest-completing match wins (as if text arrived one character at a
     time); the output is cut where it starts, or where it ends with
     include_stop_str_in_output. A tail of the text that could begin a stop string is held
-    back until it cannot, or until the sequence finishes.
+    back until it cannot, or until the sequence finishes. While fewer than min_tokens tokens
+    were generated no stop string ends the sequence, and one completed then never does later
+    (as vLLM does).
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class IncrementalDetokenizer:
         self._text = ""  # decoded output text (complete characters), possibly cut at a stop
         self._emitted = 0  # characters of self._text already returned
         self._searched = 0  # length of the text already searched for stop strings
+        self._num_output_tokens = 0
         self._max_stop_len = max((len(s) for s in params.stop), default=0)
         self.finished = False
         self.stop_str: str | None = None
@@ -112,6 +115,7 @@ class IncrementalDetokenizer:
         """Add one generated token; `finish_reason` is what `check_stop` said about it."""
         if self.finished:
             raise RuntimeError("update() after the sequence finished")
+        self._num_output_tokens += 1
         # A stop token's own text is left out unless the request asks for it.
         if finish_reason is not FinishReason.STOP or self._params.include_stop_str_in_output:
             self._tokens.append(token_id)
@@ -151,18 +155,20 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._tokens)
 
     def _find_stop_string(self) -> tuple[int, str] | None:
-        """(start, stop string) of the first stop string to complete in the new text."""
+        """(start, stop string) of the first stop string to complete in the new text; None
+        while the output is within min_tokens."""
         if not self._max_stop_len:
             return None
-        start_from = max(0, self._searched - self._max_stop_len + 1)
+        searched, self._searched = self._searched, len(self._text)
+        if self._num_output_tokens < self._params.min_tokens:
+            return None
         best: tuple[int, int, str] | None = None  # (end, start, stop)
         for stop in self._params.stop:
-            start = self._text.find(stop, start_from)
+            start = self._text.find(stop, max(0, searched - len(stop) + 1))
             if start >= 0:
                 candidate = (start + len(stop), start, stop)
                 if best is None or candidate[:2] < best[:2]:
                     best = candidate
-        self._searched = len(self._text)
         return None if best is None else (best[1], best[2])
 
     def _stop_prefix_len(self) -> int:

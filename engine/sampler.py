@@ -12,8 +12,8 @@ One call turns the logits of every sequence that needs a token this step into to
    token ids get logit -inf;
 5. greedy rows (temperature below 1e-5) take the argmax; the others divide by temperature,
    softmax, then keep top-k, then top-p of the renormalized top-k distribution (the smallest
-   set of most likely tokens whose mass reaches top_p), then tokens with probability at least
-   min_p times the largest, and draw from what is kept.
+   set of most likely tokens whose mass reaches top_p; the most likely token alone at top_p 0),
+   then tokens with probability at least min_p times the largest, and draw from what is kept.
 
 Logprobs (and the top alternatives) are those of the raw model output: log_softmax of the
 logits as given, before any of the steps above, so they do not depend on sampling settings.
@@ -40,6 +40,9 @@ from engine.sampling import SamplingParams
 
 # Dividing by a smaller temperature overflows float32; treat it as greedy.
 _GREEDY_TEMPERATURE = 1e-5
+# The largest logit a penalty may leave: dividing it by any sampled temperature stays finite
+# (an infinite logit would make the softmax NaN).
+_LOGIT_LIMIT = torch.finfo(torch.float32).max * _GREEDY_TEMPERATURE
 # Candidates first tried for a top-p row without top-k; if their mass is below top_p the
 # candidate set grows by _CANDIDATE_GROWTH until it covers every nucleus: exact either way.
 _TOP_P_CANDIDATES = 1024
@@ -199,7 +202,8 @@ def _apply_repetition_penalty(out: torch.Tensor, rows: list[tuple[int, SamplingR
     seen = out[r, t]
     # A token repeated in the history appears several times in (r, t); every copy is
     # computed from the original logit, so the repeated writes agree.
-    out[r, t] = torch.where(seen > 0, seen / penalty[r], seen * penalty[r])
+    penalized = torch.where(seen > 0, seen / penalty[r], seen * penalty[r])
+    out[r, t] = penalized.clamp_(-_LOGIT_LIMIT, _LOGIT_LIMIT)  # a penalty near 0 overflows
 
 
 def _apply_frequency_presence(out: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> None:
@@ -293,6 +297,7 @@ def _draw_from_candidates(
 
     before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
     keep = in_top_k & (before < top_p[:, None])
+    keep[:, 0] = True  # the nucleus is never empty (top_p 0, or below float32's smallest)
     keep &= cand_probs >= min_p * cand_probs[:, :1]
     # Draw in token-id order, as the unrestricted path does, so ties in the ranking and
     # the candidate width (which depends on the other rows) cannot change the result.

@@ -51,8 +51,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"temperature must be >= 0, got {self.temperature}", "temperature"
             )
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if not 0.0 <= self.top_p <= 1.0:  # 0, as in OpenAI's API: the most likely token only
+            raise InvalidRequestError(f"top_p must be in [0, 1], got {self.top_p}", "top_p")
         if self.top_k < -1:
             raise InvalidRequestError(f"top_k must be -1, 0 or positive, got {self.top_k}", "top_k")
         if not 0.0 <= self.min_p <= 1.0:

@@ -118,14 +118,14 @@ def test_gateway_errors(err, status, param, code, message, headers):
 
 def test_engine_refusal_becomes_a_400_naming_the_field():
     with pytest.raises(InvalidRequestError) as info:
-        SamplingParams(top_p=0.0)
+        SamplingParams(top_p=1.5)
     err = from_invalid_request(info.value)
     assert (err.status, err.type, err.param, err.code, err.message) == (
         400,
         "invalid_request_error",
         "top_p",
         "invalid_value",
-        "top_p must be in (0, 1], got 0.0",
+        "top_p must be in [0, 1], got 1.5",
     )
 
 

@@ -216,6 +216,22 @@ def test_first_stop_string_to_complete_wins(byte_level):
         assert (detok.output_text, detok.stop_str) == ("Hello world, this is ", "the")
 
 
+def test_stop_strings_wait_for_min_tokens(byte_level):
+    ids = encode(byte_level, TEXT)
+    the = next(i for i in range(len(ids)) if byte_level.decode(ids[: i + 1]).endswith("the"))
+    # "the" (once in TEXT) completes on output token the + 1: it ends the text at min_tokens
+    # up to that, and never once min_tokens skipped it.
+    _, _, detok = stream(byte_level, [], ids, stop=["the"], min_tokens=the + 1, max_tokens=64)
+    assert (detok.output_text, detok.stop_str) == ("Hello world, this is ", "the")
+    _, _, detok = stream(byte_level, [], ids, stop=["the"], min_tokens=the + 2, max_tokens=64)
+    assert (detok.output_text, detok.stop_str) == (TEXT, None)  # never matched later
+    # "is" completes twice, in "this" and then " is": min_tokens skips only the first.
+    this = byte_level.decode(ids).index("this")
+    first_is = next(i for i in range(len(ids)) if len(byte_level.decode(ids[: i + 1])) > this + 3)
+    _, _, detok = stream(byte_level, [], ids, stop=["is"], min_tokens=first_is + 2, max_tokens=64)
+    assert (detok.output_text, detok.stop_str) == ("Hello world, this ", "is")  # the second one
+
+
 def test_multibyte_stop_string(sentencepiece):
     ids = encode(sentencepiece, "héllo 你好 🙂 world")
     steps, _, detok = stream(sentencepiece, [], ids, stop=["你好"], max_tokens=64)

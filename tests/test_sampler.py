@@ -146,6 +146,9 @@ PROBS = [0.4, 0.3, 0.15, 0.1, 0.05]
         (dict(top_p=0.8), {0, 1, 2}),  # without top-k token 2 starts at 0.7
         (dict(top_k=4, min_p=0.3), {0, 1, 2}),
         (dict(top_p=0.95, min_p=0.3), {0, 1, 2}),  # nucleus of 4 tokens, min-p drops token 3
+        (dict(top_p=0.0), {0}),  # OpenAI's top_p 0: the most likely token only
+        (dict(top_k=3, top_p=0.0), {0}),
+        (dict(top_p=1e-46), {0}),  # 0 in float32: still the most likely token
     ],
 )
 def test_filters_restrict_the_support_exactly(params, support):
@@ -194,6 +197,22 @@ def test_penalties_change_logits_by_exact_amounts():
         ]
     )
     assert torch.equal(adjusted, expected)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2e-5])
+def test_a_repetition_penalty_near_zero_keeps_the_draw_finite(temperature):
+    # Token 1's positive logit divided by ~0 overflows float32; clamped, it takes all the mass
+    # instead of turning the softmax into NaN (which drew arbitrary tokens).
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5] + [-5.0] * 96]).expand(8, -1)
+    rows = [
+        row(repetition_penalty=1e-300, prompt=[1, 2], temperature=temperature, seed=s)
+        for s in range(8)
+    ]
+    sampler = Sampler()
+    adjusted = sampler.adjust_logits(logits, rows)
+    assert bool(adjusted.isfinite().all())
+    assert adjusted[0, :3].tolist() == [2.0, pytest.approx(3.4e33, rel=0.01), -0.0]
+    assert sampler.sample(logits, rows).token_ids == [1] * 8
 
 
 def test_untouched_logits_are_returned_as_is():
