@@ -339,7 +339,7 @@ def test_unset_max_tokens_fits_a_small_kv_cache(tight: RunningServer) -> None:
         assert first.startswith("data: ") and '"role":"assistant"' in first
     # MAX_ACTIVE_KV_TOKENS is a memory budget: sliding-window layers take only their window, so
     # one request's context (the pages left once its sliding layers hold a window) exceeds it.
-    capacity = api_metrics(tight.base_url)["kv"]["num_total_blocks"] * BLOCK_SIZE
+    capacity = api_metrics(tight.base_url)["kv"]["max_blocks_per_sequence"] * BLOCK_SIZE
     assert KV_TOKENS < capacity < 32768
     too_long = chat_body(max_tokens=capacity + 100)
     error = error_of(send(tight, CHAT, too_long, headers=bearer("key-alice")), 400)

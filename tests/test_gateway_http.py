@@ -224,7 +224,7 @@ def test_api_metrics_json_percentiles(server: RunningServer) -> None:
         assert summary["count"] >= 1
         assert 0 < summary["p50"] <= summary["p95"] <= summary["p99"]
     assert {"num_running", "num_waiting", "tenants"} <= snapshot["scheduler"].keys()
-    assert {"usage", "num_total_blocks", "prefix_cache"} <= snapshot["kv"].keys()
+    assert {"usage", "max_blocks_per_sequence", "prefix_cache"} <= snapshot["kv"].keys()
     # Where step time goes, by phase; every phase ran in the requests above.
     profile = snapshot["step_profile"]
     assert profile["steps"] >= 3

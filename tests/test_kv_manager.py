@@ -32,7 +32,7 @@ def test_fresh_sequence_layout_slots_and_keys():
     assert kv.layout(seq) == {"full": [(0, 0), (1, 1), (2, 2)]}
     assert kv.slots_for_new_tokens(seq, 10) == {"full": list(range(10))}
     assert attended_keys(kv, seq, 10) == {"full": (list(range(10)), list(range(10)))}
-    assert (kv.num_free_blocks, kv.num_total_blocks, kv.usage) == (5, 8, 3 / 8)
+    assert (kv.num_free_blocks, kv.max_blocks_per_sequence, kv.usage) == (5, 8, 3 / 8)
     seq.num_computed_tokens = 10
     seq.output_token_ids.append(5)
     kv.commit(seq)

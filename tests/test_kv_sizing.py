@@ -60,7 +60,7 @@ def test_admission_checks_each_groups_own_pool() -> None:
     full = CacheGroupSpec("full", (0,), None, 8)
     sliding = CacheGroupSpec("sliding", (1,), 8, 8)
     kv = KVCacheManager([full, sliding], {"full": 32, "sliding": 6}, block_size=4)
-    assert (kv.num_total_blocks, kv.num_free_blocks) == (32, 32)
+    assert (kv.max_blocks_per_sequence, kv.num_free_blocks) == (32, 32)
     a = make_seq(list(range(40)))
     kv.match_prefix(a)
     for _ in range(5):  # in chunks of 8: the window never holds more than 4 sliding blocks

@@ -123,7 +123,7 @@ def test_preemption_takes_the_latest_arrival_and_it_later_completes():
     for seq in (a, b, c):
         assert seq.finish_reason is FinishReason.LENGTH
         assert seq.output_token_ids == [7] * 8
-    assert kv.num_free_blocks == kv.num_total_blocks
+    assert kv.num_free_blocks == kv.max_blocks_per_sequence
     # Recomputation is not charged: each tenant paid 4 prompt tokens + 8 outputs * 2.
     stats = sched.stats()
     assert {name: t.service for name, t in stats.tenants.items()} == {"a": 20, "b": 20, "c": 20}

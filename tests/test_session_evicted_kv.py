@@ -68,7 +68,7 @@ def test_ten_turns_prefill_only_their_new_tokens_in_bounded_memory() -> None:
         assert (stats["pinned_sessions"], stats["kept_sessions"]) == (1, 1)
         # Between turns the session holds exactly its kept state, and it counts as free.
         assert kv.pins.pinned_blocks("t") == kv.pools["full"].num_in_use == BUDGET
-        assert kv.num_free_blocks == kv.num_total_blocks
+        assert kv.num_free_blocks == kv.max_blocks_per_sequence
         check_manager(kv)
         history, previous = seq.token_ids, seq
     assert len(history) > 8 * BUDGET_TOKENS
@@ -154,7 +154,7 @@ def test_a_turn_without_the_same_policy_does_not_adopt() -> None:
 def test_a_kept_state_yields_like_any_pin() -> None:
     kv = KVCacheManager([FULL], num_blocks=64, block_size=BS, pin_quota_blocks=BUDGET)
     first_turn(kv)
-    assert kv.pins.pinned_blocks("t") == BUDGET and kv.num_free_blocks == kv.num_total_blocks
+    assert kv.pins.pinned_blocks("t") == BUDGET and kv.num_free_blocks == kv.max_blocks_per_sequence
     assert kv.pins.release_oldest() and kv.stats()["released_pins"] == 1
     assert_all_released(kv)
     kv = KVCacheManager([FULL], num_blocks=64, block_size=BS)

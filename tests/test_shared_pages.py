@@ -195,7 +195,7 @@ def test_admission_counts_the_pages_of_every_group():
     """Pages the window frees in one sequence become another's full-attention blocks."""
     kv = KVCacheManager([TINY_FULL, TINY_SLIDING], SharedPages(24, 1, 1), block_size=4)
     # Alone, a sequence can hold 24 - 4 * 3 = 12 full blocks (a window holds 4 sliding ones).
-    assert kv.num_total_blocks == 12 and kv.num_free_blocks == 24
+    assert kv.max_blocks_per_sequence == 12 and kv.num_free_blocks == 24
     a = make_seq(list(range(32)))
     kv.match_prefix(a)
     for _ in range(4):  # chunks of 8: the window keeps at most 4 sliding blocks

@@ -169,7 +169,7 @@ class KVCacheManager:
     # ------------------------------------------------------------------ capacity
 
     @property
-    def num_total_blocks(self) -> int:
+    def max_blocks_per_sequence(self) -> int:
         """The most primary-group blocks one sequence can hold alone: what bounds its context.
         With shared pages, the other groups' blocks of such a sequence take pages too (a
         sliding group's at most its window)."""
@@ -517,7 +517,7 @@ class KVCacheManager:
         evicted caches, prefix-cache hits, copy-on-write copies and evicted blocks."""
         return {
             "block_size": self.block_size,
-            "num_total_blocks": self.num_total_blocks,
+            "max_blocks_per_sequence": self.max_blocks_per_sequence,
             "num_free_blocks": self.num_free_blocks,
             "usage": self.usage,
             "num_sequences": len(self._seqs),

@@ -138,7 +138,7 @@ class Scheduler:
     def kv_capacity_tokens(self) -> int:
         """Tokens of context the KV cache holds (the primary group's blocks times the block
         size; sliding-window groups only ever hold a window per sequence)."""
-        return self.kv.num_total_blocks * self.kv.block_size
+        return self.kv.max_blocks_per_sequence * self.kv.block_size
 
     def kv_tokens_needed(self, seq: Sequence) -> int:
         """The most KV seq can hold at once: prompt + max_tokens - 1 (the last sampled
