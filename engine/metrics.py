@@ -7,13 +7,15 @@ existing vLLM dashboard maps over with a rename.
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from engine.sched.stats import ServiceGapTracker, TenantStats
 
@@ -81,13 +83,83 @@ class EngineGauges:
     tenants: dict[str, TenantStats]
 
 
+# Model-wide series of EngineGauges: (family, name, help, value). The `_total`s are the engine's
+# own running totals, hence counters.
+_MODEL_WIDE: tuple[
+    tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str, Callable[[EngineGauges], float]],
+    ...,
+] = (
+    (GaugeMetricFamily, "num_requests_running", "Requests in the running batch.",
+     lambda g: g.running),
+    (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.",
+     lambda g: g.waiting),
+    (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
+     lambda g: g.kv_usage),
+    (CounterMetricFamily, "prefix_cache_queries_total",
+     "Prompt tokens looked up in the prefix cache.", lambda g: g.prefix_queries),
+    (CounterMetricFamily, "prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+     lambda g: g.prefix_hits),
+    (CounterMetricFamily, "num_preemptions_total", "Sequences preempted for recompute.",
+     lambda g: g.preemptions),
+)  # fmt: skip
+
+
+def shown_tenants(tenants: Mapping[str, TenantStats], limit: int) -> list[tuple[str, TenantStats]]:
+    """The at most `limit` tenants given their own series (clients may name a new tenant per
+    request): those with requests in flight first, then the most served, ties by name (so
+    /metrics and /api/metrics pick the same ones)."""
+    return heapq.nsmallest(
+        limit,
+        tenants.items(),
+        key=lambda item: (-(item[1].running + item[1].waiting), -item[1].service, item[0]),
+    )
+
+
+class EngineCollector:
+    """Prometheus collector for what the engine reports at a scrape (`update`). Its running
+    totals are exported as counters as they stand: the engine counts them already, and a Gauge
+    would mistype them."""
+
+    def __init__(self, model_name: str) -> None:
+        self._model_name = model_name
+        self._latest: tuple[EngineGauges, list[tuple[str, TenantStats]]] | None = None
+
+    def update(self, gauges: EngineGauges, tenants: list[tuple[str, TenantStats]]) -> None:
+        self._latest = (gauges, tenants)  # one assignment: a concurrent scrape sees one state
+
+    def collect(self) -> Iterator[Metric]:
+        if self._latest is None:
+            return
+        gauges, tenants = self._latest
+        for kind, name, doc, value_of in _MODEL_WIDE:
+            family = kind(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self._model_name], value_of(gauges))
+            yield family
+        labels = ["model_name", "tenant"]
+        counter = GaugeMetricFamily(
+            PREFIX + "tenant_virtual_token_counter", "VTC virtual token counter per tenant.",
+            labels=labels,
+        )  # fmt: skip
+        served = CounterMetricFamily(
+            PREFIX + "tenant_tokens_served_total", "Tokens served per tenant (prompt + output).",
+            labels=labels,
+        )  # fmt: skip
+        for tenant, stats in tenants:
+            if stats.counter is not None:
+                counter.add_metric([self._model_name, tenant], stats.counter)
+            served.add_metric([self._model_name, tenant], stats.prompt_tokens + stats.output_tokens)
+        yield counter
+        yield served
+
+
 class ServingMetrics:
     """Records request timings; exposes sliding windows and Prometheus collectors.
 
     Per-tenant series are kept for at most `max_tenants` tenants, whatever clients send (a
-    client can name a new tenant per request): Prometheus exports the tenants with requests in
-    flight first, then the most served; per-tenant TTFT windows are dropped once their samples
-    expire, least recently updated first beyond the cap. Model-wide series count everyone.
+    client can name a new tenant per request): Prometheus and the dashboard's fairness card show
+    the tenants with requests in flight first, then the most served (`shown_tenants`);
+    per-tenant TTFT windows are dropped once their samples expire, least recently updated first
+    beyond the cap. Model-wide series count everyone.
     """
 
     def __init__(self, model_name: str, window_s: float = 60.0, max_tenants: int = 64):
@@ -126,38 +198,8 @@ class ServingMetrics:
             PREFIX + "request_success", "Finished requests by finish reason.",
             [*labels, "finished_reason"], registry=self.registry,
         )  # fmt: skip
-        self._running = Gauge(
-            PREFIX + "num_requests_running", "Requests in the running batch.", labels,
-            registry=self.registry,
-        )  # fmt: skip
-        self._waiting = Gauge(
-            PREFIX + "num_requests_waiting", "Requests waiting to be scheduled.", labels,
-            registry=self.registry,
-        )  # fmt: skip
-        self._kv_usage = Gauge(
-            PREFIX + "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", labels,
-            registry=self.registry,
-        )  # fmt: skip
-        self._prefix_queries = Gauge(
-            PREFIX + "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
-            labels, registry=self.registry,
-        )  # fmt: skip
-        self._prefix_hits = Gauge(
-            PREFIX + "prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", labels,
-            registry=self.registry,
-        )  # fmt: skip
-        self._preemptions = Gauge(
-            PREFIX + "num_preemptions_total", "Sequences preempted for recompute.", labels,
-            registry=self.registry,
-        )  # fmt: skip
-        self._tenant_counter = Gauge(
-            PREFIX + "tenant_virtual_token_counter", "VTC virtual token counter per tenant.",
-            [*labels, "tenant"], registry=self.registry,
-        )  # fmt: skip
-        self._tenant_tokens = Gauge(
-            PREFIX + "tenant_tokens_served_total", "Tokens served per tenant (prompt + output).",
-            [*labels, "tenant"], registry=self.registry,
-        )  # fmt: skip
+        self._engine = EngineCollector(model_name)
+        self.registry.register(self._engine)
 
     def record_first_token(self, seconds: float, tenant: str | None = None) -> None:
         with self._lock:
@@ -201,26 +243,8 @@ class ServingMetrics:
         self._generation_tokens.labels(self.model_name).inc(num_tokens)
 
     def update_gauges(self, gauges: EngineGauges) -> None:
-        name = self.model_name
-        self._running.labels(name).set(gauges.running)
-        self._waiting.labels(name).set(gauges.waiting)
-        self._kv_usage.labels(name).set(gauges.kv_usage)
-        self._prefix_queries.labels(name).set(gauges.prefix_queries)
-        self._prefix_hits.labels(name).set(gauges.prefix_hits)
-        self._preemptions.labels(name).set(gauges.preemptions)
-        exported = sorted(
-            gauges.tenants.items(),
-            key=lambda item: (-(item[1].running + item[1].waiting), -item[1].service),
-        )[: self.max_tenants]
-        with self._lock:  # concurrent scrapes must not interleave clear() and set()
-            self._tenant_counter.clear()
-            self._tenant_tokens.clear()
-            for tenant, stats in exported:
-                if stats.counter is not None:
-                    self._tenant_counter.labels(name, tenant).set(stats.counter)
-                self._tenant_tokens.labels(name, tenant).set(
-                    stats.prompt_tokens + stats.output_tokens
-                )
+        """What /metrics exports next: the engine's state, per tenant for the shown ones."""
+        self._engine.update(gauges, shown_tenants(gauges.tenants, self.max_tenants))
 
     def snapshot(self) -> dict:
         """Sliding-window summary for the dashboard's JSON API."""
@@ -236,19 +260,17 @@ class ServingMetrics:
 
     def fairness(self, tenants: dict[str, TenantStats]) -> dict:
         """Per-tenant service and TTFT, and the service gap between backlogged tenants, for the
-        dashboard: the same numbers `evals/fairness_http.py` measures from outside."""
+        dashboard: the same numbers `evals/fairness_http.py` measures from outside. Per tenant
+        only for the tenants /metrics shows; the gap is over all of them."""
         with self._lock:
             self.service_gap.observe(tenants)
             gap, pair = self.service_gap.current()
-            names = sorted(set(tenants) | set(self.tenant_ttft))
             per_tenant = {
                 name: {
-                    "service": tenants[name].service if name in tenants else 0.0,
-                    "ttft_s": self.tenant_ttft[name].summary()
-                    if name in self.tenant_ttft
-                    else SlidingWindow().summary(),
+                    "service": stats.service,
+                    "ttft_s": (self.tenant_ttft.get(name) or SlidingWindow()).summary(),
                 }
-                for name in names
+                for name, stats in shown_tenants(tenants, self.max_tenants)
             }
             return {
                 "tenants": per_tenant,

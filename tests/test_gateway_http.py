@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Iterator
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import MODEL_ID, RunningServer
+from tests.conftest import MODEL_ID, RunningServer, start_server, stop_server
 from tests.gateway_helpers import (
     api_metrics,
     chat_body,
@@ -212,6 +213,51 @@ def test_prometheus_metrics(server: RunningServer) -> None:
     served = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"] + 3
     assert _value(after, "gemma_serve:tenant_tokens_served_total", tenant=tenant) == served
     assert _value(after, "gemma_serve:tenant_virtual_token_counter", tenant=tenant) > 0
+
+
+def test_prometheus_totals_are_counters(server: RunningServer) -> None:
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    types = {family.name: family.type for family in text_string_to_metric_families(text)}
+    totals = (
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "num_preemptions",
+        "tenant_tokens_served",
+    )
+    assert {types[f"gemma_serve:{name}"] for name in totals} == {"counter"}
+    # The parser names a counter's family without `_total`: one keeping it was typed otherwise.
+    assert [name for name in types if name.endswith("_total")] == []
+
+
+@pytest.fixture(scope="module")
+def two_tenants_shown(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    running = start_server(tmp_path_factory.mktemp("shown"), METRICS_MAX_TENANTS="2")
+    yield running
+    stop_server(running)
+
+
+def test_api_metrics_lists_the_tenants_prometheus_exports(two_tenants_shown: RunningServer) -> None:
+    """Clients name tenants freely: /api/metrics shows at most METRICS_MAX_TENANTS of them, the
+    ones /metrics has series for (the most served here, none in flight), and counts them all."""
+    server = two_tenants_shown
+    # Prompts of 41, 21 and 2 tokens sharing no block: service = 41 + 2 * 1, 21 + 2, 2 + 2.
+    for user, length in (("heavy", 40), ("light", 1), ("mid", 20)):
+        body = completion_body([2] + [1000 + length] * length, max_tokens=1, user=user)
+        assert post(server, "/v1/completions", body).status_code == 200
+    snapshot = api_metrics(server.base_url)
+    scheduler, fairness = snapshot["scheduler"], snapshot["fairness"]
+    assert scheduler["num_tenants"] == 3
+    assert {name: t["prompt_tokens"] for name, t in scheduler["tenants"].items()} == {
+        "heavy": 41,
+        "mid": 21,
+    }
+    assert {name: t["service"] for name, t in fairness["tenants"].items()} == {
+        "heavy": 43.0,
+        "mid": 23.0,
+    }
+    samples = _prometheus(server.base_url)
+    labels = {value for _, pairs in samples for key, value in pairs if key == "tenant"}
+    assert labels == {"heavy", "mid"}
 
 
 def test_api_metrics_json_percentiles(server: RunningServer) -> None:
