@@ -16,7 +16,8 @@ from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 
 from app.generation import Identity
-from compat.errors import invalid_api_key, missing_api_key
+from compat.errors import invalid_api_key, invalid_value, missing_api_key
+from compat.limits import MAX_IDENTIFIER_LENGTH
 from engine.request import DEFAULT_TENANT
 
 
@@ -47,6 +48,18 @@ def require_ops_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     when OPS_AUTH=keys and API_KEYS is set (401 otherwise); open otherwise."""
     settings = connection.app.state.server.settings
     tenant_for_key(settings.ops_keys, connection.headers.get("authorization"))
+
+
+def session_header(value: str | None) -> str | None:
+    """The X-Session-Id header, bounded like `user`: a session id appears in logs and keys
+    per-session state. Raises ApiError 400 naming the header past MAX_IDENTIFIER_LENGTH."""
+    if value is not None and len(value) > MAX_IDENTIFIER_LENGTH:
+        raise invalid_value(
+            "X-Session-Id",
+            f"Invalid value for 'X-Session-Id': expected string of length <= "
+            f"{MAX_IDENTIFIER_LENGTH}.",
+        )
+    return value
 
 
 def identity_for(

@@ -18,8 +18,14 @@ from msgspec import UNSET
 
 from compat.chat_template import GEMMA_END_OF_TURN, render_chat_prompt
 from compat.engine_mapping import check_token_ids, to_sampling_params
-from compat.errors import ApiError, invalid_value, rate_limited, server_shutting_down
-from compat.logprobs import chat_logprobs, completion_logprobs
+from compat.errors import (
+    ApiError,
+    context_length_exceeded,
+    invalid_value,
+    rate_limited,
+    server_shutting_down,
+)
+from compat.logprobs import chat_logprobs, completion_logprobs, piece_bytes
 from compat.request_types import ChatCompletionRequest, CompletionRequest
 from compat.response_types import (
     ChatChoice,
@@ -65,6 +71,9 @@ class PreparedPrompt:
     token_ids: list[int]
     text: str  # for echo
     sampling: SamplingParams
+    # The request's fields an error about its length names: the prompt's, the budget's.
+    prompt_param: str
+    max_tokens_param: str
 
 
 @dataclass
@@ -77,16 +86,26 @@ class ChoiceState:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    text_offsets: list[int] = field(default_factory=list)  # per logprobs entry
+    text_length: int = 0  # of the text so far
     finish_reason: FinishReason | None = None
 
-    def add(self, out: StepOutput) -> None:
+    def add(self, out: StepOutput) -> list[int]:
+        """Record one step; returns where its logprobs entries' tokens begin in the text."""
+        # Where the text before the step ends: the detokenizer shows a character split over
+        # byte tokens with its last one, so no offset passes the text, and a stream agrees
+        # with the whole response.
+        offsets = [self.text_length] * len(out.logprobs or [])
+        self.text_length += len(out.new_text)
         self.text.append(out.new_text)
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.logprobs or [])
+        self.text_offsets.extend(offsets)
         self.prompt_tokens = out.num_prompt_tokens
         self.cached_tokens = out.num_cached_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
+        return offsets
 
 
 def openai_finish_reason(reason: FinishReason | None) -> OpenAIFinishReason:
@@ -138,6 +157,13 @@ class GenerationService:
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id])
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes, from its vocabulary piece: decoding a byte-fallback token
+        alone gives U+FFFD, not its byte."""
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        assert isinstance(piece, str)  # one id converts to one piece
+        return piece_bytes(piece)
+
     def prepare_completion(self, req: CompletionRequest) -> list[PreparedPrompt]:
         self.check_model(req.model)
         prepared = []
@@ -151,7 +177,9 @@ class GenerationService:
                 req, num_prompt_tokens=len(ids), max_model_len=self.max_model_len,
                 vocab_size=self.vocab_size, kv_capacity_tokens=self.kv_capacity_tokens,
             )  # fmt: skip
-            prepared.append(PreparedPrompt(ids, text, sampling))
+            prepared.append(
+                PreparedPrompt(ids, text, sampling, req.prompt_param, req.max_tokens_param)
+            )
         return prepared
 
     def prepare_chat(self, req: ChatCompletionRequest) -> PreparedPrompt:
@@ -163,7 +191,7 @@ class GenerationService:
             vocab_size=self.vocab_size, extra_stop_token_ids=self.chat_stop_ids,
             kv_capacity_tokens=self.kv_capacity_tokens,
         )  # fmt: skip
-        return PreparedPrompt(ids, text, sampling)
+        return PreparedPrompt(ids, text, sampling, req.prompt_param, req.max_tokens_param)
 
     # ------------------------------------------------------------------ running
 
@@ -215,7 +243,7 @@ class GenerationService:
         except RequestTooLarge as exc:
             for stream in streams:
                 stream.abort()
-            raise invalid_value("max_tokens", str(exc)) from None
+            raise self._too_large_for_kv(prompts, str(exc)) from None
         except EngineDraining as exc:
             for stream in streams:
                 stream.abort()
@@ -225,6 +253,20 @@ class GenerationService:
             sequences=len(streams), prompt_tokens=sum(len(p.token_ids) for p in prompts),
         )  # fmt: skip
         return streams
+
+    def _too_large_for_kv(self, prompts: list[PreparedPrompt], message: str) -> ApiError:
+        """The KV cache can never hold the request. As for the context length, the error names
+        the prompt when it alone does not fit (max_tokens 1 would not help), else max_tokens."""
+        capacity = self.engine.engine.scheduler.kv_capacity_tokens
+        for prompt in prompts:
+            if len(prompt.token_ids) > capacity:
+                return context_length_exceeded(
+                    prompt.prompt_param,
+                    f"This server's KV cache holds at most {capacity} tokens of one request's "
+                    f"context, but the prompt has {len(prompt.token_ids)} tokens. Please reduce "
+                    f"the length of the {prompt.prompt_param}.",
+                )
+        return context_length_exceeded(prompts[0].max_tokens_param, message)
 
     def _submit_request(
         self,
@@ -289,7 +331,7 @@ class GenerationService:
                 CompletionChoice(
                     index=c.index,
                     text=(prompts[c.index // n].text if req.echo else "") + "".join(c.text),
-                    logprobs=completion_logprobs(c.logprobs, self.token_text)
+                    logprobs=completion_logprobs(c.logprobs, self.token_text, c.text_offsets)
                     if req.logprobs is not None
                     else None,
                     finish_reason=openai_finish_reason(c.finish_reason),
@@ -314,7 +356,6 @@ class GenerationService:
     ) -> AsyncIterator[Completion]:  # fmt: skip
         completion_id, created = new_completion_id(), int(time.time())
         choices = [ChoiceState(i) for i in range(len(streams))]
-        offsets = [0] * len(streams)
 
         def chunk(choice: CompletionChoice) -> Completion:
             # No `usage: null` (chat chunks have it): the spec's completion usage is not nullable.
@@ -324,16 +365,12 @@ class GenerationService:
 
         if req.echo:
             for i in range(len(streams)):
-                text = prompts[i // n].text
-                offsets[i] = len(text)
-                yield chunk(CompletionChoice(index=i, text=text))
+                yield chunk(CompletionChoice(index=i, text=prompts[i // n].text))
         async for index, out in self.merged(streams):
-            state = choices[index]
-            state.add(out)
+            offsets = choices[index].add(out)
             logprobs = None
             if req.logprobs is not None:
-                logprobs = completion_logprobs(out.logprobs or [], self.token_text, offsets[index])
-            offsets[index] += len(out.new_text)
+                logprobs = completion_logprobs(out.logprobs or [], self.token_text, offsets)
             if out.new_text or out.finished or logprobs is not None:
                 yield chunk(
                     CompletionChoice(
@@ -368,7 +405,9 @@ class GenerationService:
                 ChatChoice(
                     index=c.index,
                     message=ChatResponseMessage(content="".join(c.text)),
-                    logprobs=chat_logprobs(c.logprobs, self.token_text) if req.logprobs else None,
+                    logprobs=chat_logprobs(c.logprobs, self.token_text, self.token_bytes)
+                    if req.logprobs
+                    else None,
                     finish_reason=openai_finish_reason(c.finish_reason),
                 )
                 for c in choices
@@ -401,7 +440,11 @@ class GenerationService:
             yield chunk(ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")))
         async for index, out in self.merged(streams):
             choices[index].add(out)
-            logprobs = chat_logprobs(out.logprobs or [], self.token_text) if req.logprobs else None
+            logprobs = (
+                chat_logprobs(out.logprobs or [], self.token_text, self.token_bytes)
+                if req.logprobs
+                else None
+            )
             if out.new_text or logprobs is not None:
                 yield chunk(
                     ChatChunkChoice(

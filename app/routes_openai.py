@@ -10,7 +10,7 @@ import msgspec
 from litestar import Request, Response, get, post
 from litestar.response import Stream
 
-from app.auth import identity_for, tenant_for_key
+from app.auth import identity_for, session_header, tenant_for_key
 from app.openapi import operation
 from app.server import ServerState
 from compat.chat_template import render_chat_prompt
@@ -51,6 +51,10 @@ def _json(payload: object, status: int = 200) -> Response:
 def _authorize(request: Request) -> str | None:
     """The tenant named by the request's API key (None when auth is off); 401 otherwise."""
     return tenant_for_key(_state(request).settings.api_keys, request.headers.get("authorization"))
+
+
+def _session_id(request: Request) -> str | None:
+    return session_header(request.headers.get("x-session-id"))
 
 
 async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
@@ -131,7 +135,7 @@ async def completions(request: Request) -> Response | Stream:
     state = _state(request)
     key_tenant = _authorize(request)
     req = decode_completion_request(await request.body())
-    identity = identity_for(key_tenant, req.user, request.headers.get("x-session-id"))
+    identity = identity_for(key_tenant, req.user, _session_id(request))
     if req.is_stream:
         return _sse_response(await state.service.completion_stream(req, identity))
     return _json(await _until_disconnect(request, state.service.completion(req, identity)))
@@ -146,9 +150,7 @@ async def chat_completions(request: Request) -> Response | Stream:
     state = _state(request)
     key_tenant = _authorize(request)
     req = decode_chat_completion_request(await request.body())
-    identity = identity_for(
-        key_tenant, req.user, request.headers.get("x-session-id"), pin_session=True
-    )
+    identity = identity_for(key_tenant, req.user, _session_id(request), pin_session=True)
     if req.is_stream:
         return _sse_response(await state.service.chat_stream(req, identity))
     return _json(await _until_disconnect(request, state.service.chat(req, identity)))

@@ -342,7 +342,9 @@ class WsConnection:
                     "'session.start', 'session.end', 'auth'.",
                 )
         except ApiError as exc:
-            await self.send(error_event(exc, message_id))
+            # A duplicate id is the running generation's: an error carrying it would read as
+            # that generation's end.
+            await self.send(error_event(exc, None if exc.code == "duplicate_id" else message_id))
         except _SocketGone:
             raise
         except Exception:  # a bug: report it, keep serving the socket
@@ -498,15 +500,12 @@ class WsConnection:
         """Send the deltas; record a session turn; the `done` event to end with."""
         gid = generation.id
         choices = [ChoiceState(i) for i in range(len(generation.streams))]
-        offsets = [0] * len(choices)  # text offsets for completion logprobs
         for i in range(len(choices)):
             if echo := generation.echo_texts[i // generation.n]:
-                offsets[i] = len(echo)
                 await self.send(Delta(id=gid, choice=i, text=echo))
         async for index, out in self.service.merged(generation.streams):
-            choices[index].add(out)
-            logprobs = self._logprobs(generation, out.logprobs or [], offsets[index])
-            offsets[index] += len(out.new_text)
+            offsets = choices[index].add(out)
+            logprobs = self._logprobs(generation, out.logprobs or [], offsets)
             if out.new_text or logprobs is not UNSET:
                 await self.send(Delta(id=gid, choice=index, text=out.new_text,
                                       logprobs=logprobs))  # fmt: skip
@@ -528,16 +527,16 @@ class WsConnection:
             generation.session.busy = False
 
     def _logprobs(
-        self, generation: Generation, entries: list, offset: int
+        self, generation: Generation, entries: list, offsets: list[int]
     ) -> ChatLogprobs | CompletionLogprobs | UnsetType:
         req = generation.request
         if generation.is_chat:
             if not req.logprobs:
                 return UNSET
-            return chat_logprobs(entries, self.service.token_text)
+            return chat_logprobs(entries, self.service.token_text, self.service.token_bytes)
         if req.logprobs is None:
             return UNSET
-        return completion_logprobs(entries, self.service.token_text, offset)
+        return completion_logprobs(entries, self.service.token_text, offsets)
 
 
 @websocket("/v1/ws")

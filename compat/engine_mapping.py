@@ -9,15 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from compat.errors import ApiError, from_invalid_request, invalid_value
+from compat.errors import context_length_exceeded, from_invalid_request, invalid_value
 from compat.request_types import ChatCompletionRequest, CompletionRequest
 from engine.sampling import InvalidRequestError, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
-
-def _context_length_error(param: str, message: str) -> ApiError:
-    return ApiError(message, param=param, code="context_length_exceeded")
 
 
 def resolve_max_tokens(
@@ -31,22 +27,21 @@ def resolve_max_tokens(
     for chat - but no more than a KV cache of `kv_capacity_tokens` can hold next to the prompt,
     so a request that asked for no length is not refused for the length it was given."""
     is_chat = isinstance(request, ChatCompletionRequest)
-    prompt_param = "messages" if is_chat else "prompt"
+    prompt_param = request.prompt_param
     room = max_model_len - num_prompt_tokens
     if room < 1:
-        raise _context_length_error(
+        raise context_length_exceeded(
             prompt_param,
             f"This model's maximum context length is {max_model_len} tokens, but the prompt "
             f"has {num_prompt_tokens} tokens, leaving no room for the completion. Please "
             f"reduce the length of the {prompt_param}.",
         )
-    if isinstance(request, ChatCompletionRequest):
-        requested = request.requested_max_tokens
-        max_param = (
-            "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        )
-    else:
-        requested, max_param = request.max_tokens, "max_tokens"
+    requested = (
+        request.requested_max_tokens
+        if isinstance(request, ChatCompletionRequest)
+        else request.max_tokens
+    )
+    max_param = request.max_tokens_param
     if requested is None:
         default = room if is_chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
         if kv_capacity_tokens is not None:
@@ -54,7 +49,7 @@ def resolve_max_tokens(
             default = min(default, max(1, kv_capacity_tokens - num_prompt_tokens + 1))
         return default
     if requested > room:
-        raise _context_length_error(
+        raise context_length_exceeded(
             max_param,
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "

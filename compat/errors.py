@@ -159,6 +159,12 @@ def invalid_value(param: str | None, message: str) -> ApiError:
     return ApiError(message, param=param, code="invalid_value")
 
 
+def context_length_exceeded(param: str, message: str) -> ApiError:
+    """The request does not fit: `param` names the prompt when it alone is too long, else the
+    completion budget (max_tokens), as OpenAI reports it."""
+    return ApiError(message, param=param, code="context_length_exceeded")
+
+
 def from_invalid_request(exc: InvalidRequestError) -> ApiError:
     """The engine refused the request's parameters: a 400 naming the same field."""
     return invalid_value(exc.param, str(exc))

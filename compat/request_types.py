@@ -9,7 +9,7 @@ default) - a request is never served while silently dropping what it asked for.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -22,7 +22,14 @@ from compat.errors import (
     unsupported_parameter,
     unsupported_value,
 )
-from compat.limits import MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_LENGTH, MAX_STOP_SEQUENCES
+from compat.limits import (
+    MAX_IDENTIFIER_LENGTH,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_N,
+    MAX_SAFETY_IDENTIFIER_LENGTH,
+    MAX_STOP_LENGTH,
+    MAX_STOP_SEQUENCES,
+)
 
 TokenId = Annotated[int, Meta(ge=0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
@@ -60,7 +67,7 @@ class _SamplingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: LogitBias | None = None
-    user: str | None = None
+    user: Annotated[str, Meta(max_length=MAX_IDENTIFIER_LENGTH)] | None = None  # tenant, session
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     # vLLM extensions.
@@ -102,6 +109,10 @@ class CompletionRequest(_SamplingRequest, kw_only=True, forbid_unknown_fields=Tr
     best_of: NumChoices | None = None
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
     suffix: str | None = None
+
+    # The fields an error about the request's length names.
+    prompt_param: ClassVar[str] = "prompt"
+    max_tokens_param: ClassVar[str] = "max_tokens"
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: each a string or a list of token ids (checked at decode)."""
@@ -223,7 +234,7 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True, forbid_unknown_field
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     # Hints that need no action here: prefix caching is automatic; end-user ids for abuse tracking.
     prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
+    safety_identifier: Annotated[str, Meta(max_length=MAX_SAFETY_IDENTIFIER_LENGTH)] | None = None
     parallel_tool_calls: bool | None = None  # meaningless without tools
     # Known to the spec, served only at the values that ask for nothing (checked after decode).
     service_tier: str | None = None
@@ -244,12 +255,19 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True, forbid_unknown_field
     prompt_cache_retention: str | None = None
     prompt_cache_options: Refused = None
 
+    prompt_param: ClassVar[str] = "messages"
+
     @property
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens, else the deprecated max_tokens; None when neither is set."""
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The field that set requested_max_tokens."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     @property
     def num_logprobs(self) -> int | None:

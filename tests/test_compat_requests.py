@@ -257,6 +257,18 @@ def test_decode_accepts_parsed_dict_and_str():
             "invalid_value",
             "Invalid value for 'seed': expected integer <= 9223372036854775807.",
         ),
+        (
+            chat(user="u" * 257),
+            "user",
+            "invalid_value",
+            "Invalid value for 'user': expected string of length <= 256.",
+        ),
+        (
+            chat(safety_identifier="s" * 65),
+            "safety_identifier",
+            "invalid_value",
+            "Invalid value for 'safety_identifier': expected string of length <= 64.",
+        ),
     ],
 )
 def test_chat_decode_errors(body, param, code, message):
@@ -317,11 +329,40 @@ def test_chat_decode_errors(body, param, code, message):
             "unknown_parameter",
             "Unrecognized request argument supplied: messages",
         ),
+        (
+            {"user": "\u00e9" * 257},
+            "user",
+            "invalid_value",
+            "Invalid value for 'user': expected string of length <= 256.",
+        ),
     ],
 )
 def test_completion_decode_errors(fields, param, code, message):
     err = refused(decode_completion_request, completion(**fields))
     assert (err.param, err.code, err.message) == (param, code, message)
+
+
+def test_identifiers_are_served_up_to_their_limits_in_characters():
+    """`user` names the tenant and session: 256 characters, counted as characters (not UTF-8
+    bytes); `safety_identifier` has OpenAI's 64."""
+    assert decode_completion_request(completion(user="\u00e9" * 256)).user == "\u00e9" * 256
+    req = decode_chat_completion_request(chat(user="u" * 256, safety_identifier="s" * 64))
+    assert (req.user, req.safety_identifier) == ("u" * 256, "s" * 64)
+
+
+@pytest.mark.parametrize(
+    "body, params",
+    [
+        (completion(max_tokens=3), ("prompt", "max_tokens")),
+        (chat(max_tokens=3), ("messages", "max_tokens")),
+        (chat(max_completion_tokens=3), ("messages", "max_completion_tokens")),
+        (chat(max_tokens=3, max_completion_tokens=3), ("messages", "max_completion_tokens")),
+    ],
+)
+def test_the_fields_a_length_error_names(body, params):
+    decode = decode_chat_completion_request if b"messages" in body else decode_completion_request
+    req = decode(body)
+    assert (req.prompt_param, req.max_tokens_param) == params
 
 
 def test_completion_prompt_is_required():

@@ -30,6 +30,7 @@ from engine.request import TokenLogprob
 from tests.openapi_schema import COMPLETION_CHUNK, errors, validate
 
 VOCAB = {0: "Hel", 1: "lo", 2: "é", 3: " world"}
+VOCAB_BYTES = {token_id: text.encode() for token_id, text in VOCAB.items()}
 ENTRIES = [
     TokenLogprob(token_id=0, logprob=-0.5, top=[(0, -0.5), (3, -1.25)]),
     TokenLogprob(token_id=2, logprob=-2.0, top=[(1, -0.25)]),
@@ -66,7 +67,7 @@ def test_chat_completion_exact_json_and_schema():
             ChatChoice(
                 index=1,
                 message=ChatResponseMessage(content="Hel"),
-                logprobs=chat_logprobs(ENTRIES[:1], VOCAB.__getitem__),
+                logprobs=chat_logprobs(ENTRIES[:1], VOCAB.__getitem__, VOCAB_BYTES.__getitem__),
                 finish_reason="length",
             ),
         ],
@@ -96,7 +97,7 @@ def test_chat_stream_chunks_validate():
             ChatChunkChoice(
                 index=0,
                 delta=ChatDelta(content="Hel"),
-                logprobs=chat_logprobs(ENTRIES[:1], VOCAB.__getitem__),
+                logprobs=chat_logprobs(ENTRIES[:1], VOCAB.__getitem__, VOCAB_BYTES.__getitem__),
             )
         ]
     )
@@ -125,7 +126,7 @@ def test_chat_stream_chunks_validate():
 
 
 def test_completion_and_its_chunks_validate():
-    logprobs = completion_logprobs(ENTRIES, VOCAB.__getitem__)
+    logprobs = completion_logprobs(ENTRIES, VOCAB.__getitem__, [0, 3])
     full = Completion(
         id="cmpl-1",
         created=1,
@@ -155,7 +156,7 @@ def test_completion_and_its_chunks_validate():
 
 
 def test_chat_logprobs_exact():
-    assert as_json(chat_logprobs(ENTRIES, VOCAB.__getitem__)) == {
+    assert as_json(chat_logprobs(ENTRIES, VOCAB.__getitem__, VOCAB_BYTES.__getitem__)) == {
         "content": [
             {
                 "token": "Hel",
@@ -178,7 +179,7 @@ def test_chat_logprobs_exact():
 
 
 def test_completion_logprobs_exact_with_offset():
-    assert as_json(completion_logprobs(ENTRIES, VOCAB.__getitem__, text_offset=10)) == {
+    assert as_json(completion_logprobs(ENTRIES, VOCAB.__getitem__, [10, 13])) == {
         "tokens": ["Hel", "é"],
         "token_logprobs": [-0.5, -2.0],
         # The sampled token is always among the alternatives.

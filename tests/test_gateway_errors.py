@@ -343,7 +343,8 @@ def test_unset_max_tokens_fits_a_small_kv_cache(tight: RunningServer) -> None:
     assert KV_TOKENS < capacity < 32768
     too_long = chat_body(max_tokens=capacity + 100)
     error = error_of(send(tight, CHAT, too_long, headers=bearer("key-alice")), 400)
-    assert error["param"] == "max_tokens" and str(capacity) in error["message"]
+    assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
+    assert str(capacity) in error["message"]
     assert wait_until(lambda: api_metrics(tight.base_url)["scheduler"]["num_running"] == 0)
 
 
@@ -376,3 +377,87 @@ def test_log_lines_carry_the_request_id(tight: RunningServer) -> None:
     assert made_up and all(re.fullmatch(r"[0-9a-f]{16}", rid) for rid in made_up)
     assert {line["tenant"] for line in admitted} >= {"alice"}
     assert all(line["level"] and line["timestamp"] for line in lines)
+
+
+# ------------------------------------------------------------------ a KV cache under a prompt
+
+SMALL_KV_TOKENS = 256
+
+
+@pytest.fixture(scope="module")
+def small_kv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    running = start_server(
+        tmp_path_factory.mktemp("small-kv"), MAX_ACTIVE_KV_TOKENS=str(SMALL_KV_TOKENS)
+    )
+    yield running
+    stop_server(running)
+
+
+def _kv_capacity(server: RunningServer) -> int:
+    """The most context one request may hold: what the server refuses past."""
+    return api_metrics(server.base_url)["kv"]["max_blocks_per_sequence"] * BLOCK_SIZE
+
+
+def _chat_prompt_tokens(server: RunningServer, body: dict) -> int:
+    tokenized = httpx.post(
+        server.base_url + "/tokenize", json={"messages": body["messages"]}, timeout=TIMEOUT
+    )
+    return tokenized.json()["count"]
+
+
+def test_a_prompt_past_the_kv_cache_names_the_prompt(small_kv: RunningServer) -> None:
+    """max_tokens 1 cannot be shortened: the prompt alone is too long, and the error says so as
+    OpenAI's context_length_exceeded does (`prompt`, or `messages` for chat)."""
+    capacity = _kv_capacity(small_kv)
+    assert (
+        send(small_kv, COMPLETIONS, completion_body([2] * capacity, max_tokens=1)).status_code
+        == 200
+    )
+    too_long = send(small_kv, COMPLETIONS, completion_body([2] * (capacity + 1), max_tokens=1))
+    assert error_of(too_long, 400) == {
+        "message": f"This server's KV cache holds at most {capacity} tokens of one request's "
+        f"context, but the prompt has {capacity + 1} tokens. Please reduce the length of the "
+        "prompt.",
+        "type": "invalid_request_error",
+        "param": "prompt",
+        "code": "context_length_exceeded",
+    }
+    chat = chat_body("word " * capacity, max_completion_tokens=1)
+    tokens = _chat_prompt_tokens(small_kv, chat)
+    assert tokens > capacity
+    assert error_of(send(small_kv, CHAT, chat), 400) == {
+        "message": f"This server's KV cache holds at most {capacity} tokens of one request's "
+        f"context, but the prompt has {tokens} tokens. Please reduce the length of the messages.",
+        "type": "invalid_request_error",
+        "param": "messages",
+        "code": "context_length_exceeded",
+    }
+    assert wait_until(lambda: api_metrics(small_kv.base_url)["scheduler"]["num_running"] == 0)
+
+
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [(COMPLETIONS, "max_tokens"), (CHAT, "max_tokens"), (CHAT, "max_completion_tokens")],
+)
+def test_a_prompt_that_fits_with_too_many_tokens_names_the_budget(
+    small_kv: RunningServer, path: str, field: str
+) -> None:
+    """Prompt + max_tokens - 1 (the last token is never cached) past the KV cache: the budget
+    is what to lower, named as the client spelled it."""
+    capacity = _kv_capacity(small_kv)
+    if path == CHAT:
+        body = chat_body("Count to five.")
+        prompt_tokens = _chat_prompt_tokens(small_kv, body)
+    else:
+        prompt_tokens = capacity - 4
+        body = completion_body([2] * prompt_tokens)
+    fits = capacity - prompt_tokens + 1
+    served = send(small_kv, path, body | {field: fits, "temperature": 0})
+    assert served.status_code == 200, served.text
+    error = error_of(send(small_kv, path, body | {field: fits + 1}), 400)
+    assert (error["param"], error["code"]) == (field, "context_length_exceeded")
+    assert error["message"] == (
+        f"the request needs up to {capacity + 1} tokens of KV cache (prompt of {prompt_tokens} "
+        f"tokens, max_tokens {fits + 1}) but the server holds at most {capacity}; shorten the "
+        "prompt or lower max_tokens"
+    )

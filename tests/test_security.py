@@ -17,7 +17,14 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from app.origin import origin_allowed
-from compat.limits import MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_LENGTH, MAX_STOP_SEQUENCES
+from compat.limits import (
+    MAX_IDENTIFIER_LENGTH,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_N,
+    MAX_SAFETY_IDENTIFIER_LENGTH,
+    MAX_STOP_LENGTH,
+    MAX_STOP_SEQUENCES,
+)
 from tests.conftest import RunningServer, start_server, stop_server
 from tests.gateway_helpers import chat_body, completion_body, unique_prompt, wait_until
 
@@ -245,6 +252,13 @@ LIMITS = [
      {"stop": ["\x03", *_stops(1, MAX_STOP_LENGTH + 1)]}, "stop[1]"),
     ("logit_bias", CHAT, {"logit_bias": _bias(MAX_LOGIT_BIAS_ENTRIES)},
      {"logit_bias": _bias(MAX_LOGIT_BIAS_ENTRIES + 1)}, "logit_bias"),
+    # `user` names the tenant: without a bound, unique megabyte names filled /metrics and logs.
+    ("user", COMPLETIONS, {"user": "u" * MAX_IDENTIFIER_LENGTH},
+     {"user": "u" * (MAX_IDENTIFIER_LENGTH + 1)}, "user"),
+    ("user on chat", CHAT, {"user": "\u00e9" * MAX_IDENTIFIER_LENGTH},
+     {"user": "\u00e9" * (MAX_IDENTIFIER_LENGTH + 1)}, "user"),
+    ("safety_identifier", CHAT, {"safety_identifier": "s" * MAX_SAFETY_IDENTIFIER_LENGTH},
+     {"safety_identifier": "s" * (MAX_SAFETY_IDENTIFIER_LENGTH + 1)}, "safety_identifier"),
 ]  # fmt: skip
 
 
@@ -269,6 +283,22 @@ def test_limits_are_served_at_the_limit_and_refused_past_it(
         param, "invalid_value", "invalid_request_error"
     )  # fmt: skip
     assert error["message"]
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_the_session_header_is_bounded_like_user(server: RunningServer, path: str) -> None:
+    def post(session: str) -> httpx.Response:
+        return httpx.post(server.base_url + path, json=_body(path), timeout=TIMEOUT,
+                          headers={"X-Session-Id": session})  # fmt: skip
+
+    served = post("s" * MAX_IDENTIFIER_LENGTH)
+    assert served.status_code == 200, served.text
+    assert error_of(post("s" * (MAX_IDENTIFIER_LENGTH + 1)), 400) == {
+        "message": "Invalid value for 'X-Session-Id': expected string of length <= 256.",
+        "type": "invalid_request_error",
+        "param": "X-Session-Id",
+        "code": "invalid_value",
+    }
 
 
 MAX_TOKENS_FIELDS = [(COMPLETIONS, "max_tokens"), (CHAT, "max_tokens"),

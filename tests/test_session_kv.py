@@ -96,7 +96,10 @@ async def test_a_websocket_session_keeps_its_kv_for_20_turns_under_churn(small_s
     assert len(load) >= 20
     after = await kv_stats(small_server)
     # The load refilled the 128-block cache several times over; the history stayed.
-    assert after["groups"]["full"]["reclaimed"] - reclaimed_before > 3 * after["max_blocks_per_sequence"]
+    assert (
+        after["groups"]["full"]["reclaimed"] - reclaimed_before
+        > 3 * after["max_blocks_per_sequence"]
+    )
     assert usages[-1]["prompt_tokens"] > 20 * 8
     assert_history_cached(usages)
     for _ in range(50):  # the ended session's pin is released on the engine thread
