@@ -28,6 +28,7 @@ from app.auth import identity_for, tenant_for_key
 from app.generation import ChoiceState, GenerationService, Identity, usage_of
 from app.server import ServerState
 from compat.errors import ApiError, ErrorDetail, invalid_value, server_error, too_deeply_nested
+from compat.limits import MAX_IDENTIFIER_LENGTH
 from compat.logprobs import chat_logprobs, completion_logprobs
 from compat.request_types import (
     ChatCompletionRequest,
@@ -46,6 +47,8 @@ AUTH_TIMEOUT_S = 10.0  # how long a socket that needs a key waits for the `auth`
 MAX_SESSIONS_PER_SOCKET = 64  # each holds a chat history in server memory
 # Envelope fields of a `generate` message; everything else is the request body.
 _ENVELOPE = ("type", "id", "endpoint", "session")
+# Names echoed in every event of their generation or session, and logged: bounded like `user`.
+_NAMES = ("id", "session")
 
 
 # --- server -> client ------------------------------------------------------------------------
@@ -131,6 +134,11 @@ def _optional_string_field(message: dict[str, Any], name: str) -> str | None:
             f"Invalid type for '{name}': expected a non-empty string.",
             param=name,
             code="invalid_type",
+        )
+    if name in _NAMES and len(value) > MAX_IDENTIFIER_LENGTH:
+        limit = MAX_IDENTIFIER_LENGTH
+        raise invalid_value(
+            name, f"Invalid value for '{name}': expected string of length <= {limit}."
         )
     return value
 
@@ -319,7 +327,7 @@ class WsConnection:
         message_id = None
         try:
             message = self.parse(frame)
-            if isinstance(message.get("id"), str):
+            if isinstance(message.get("id"), str) and len(message["id"]) <= MAX_IDENTIFIER_LENGTH:
                 message_id = message["id"]
             kind = _string_field(message, "type")
             if kind == "generate":

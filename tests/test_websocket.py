@@ -314,6 +314,15 @@ async def test_session_refusals(server: RunningServer, ws: ClientConnection) -> 
 
     await send(ws, {"type": "session.start", "session": name})
     assert (await recv(ws))["error"]["code"] == "session_exists"
+    # Names are echoed in every event and logged: bounded like `user` (256 characters).
+    await send(ws, {"type": "session.start", "session": "s" * 257})
+    error = await recv(ws)
+    assert (error["id"], error["error"]["param"], error["error"]["message"]) == (
+        None, "session", "Invalid value for 'session': expected string of length <= 256."
+    )  # fmt: skip
+    await send(ws, completion("i" * 257, "Hi"))
+    error = await recv(ws)
+    assert (error["id"], error["error"]["param"]) == (None, "id")
     await send(ws, completion("p", "Hi", session=name))
     error = await recv(ws)
     assert error["error"]["param"] == "session" and error["error"]["code"] == "invalid_value"
