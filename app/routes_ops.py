@@ -96,18 +96,7 @@ async def metrics_json(request: Request) -> Response:
     state = _state(request)
     snapshot = state.engine.snapshot()
     snapshot["model"] = state.model_id
-    _show_capped_tenants(snapshot)
     return Response(msgspec.json.encode(snapshot), media_type="application/json")
-
-
-def _show_capped_tenants(snapshot: dict) -> None:
-    """Keep the scheduler's per-tenant stats only for the tenants the fairness part lists: at
-    most METRICS_MAX_TENANTS, picked as /metrics picks them (ServingMetrics.fairness), since a
-    client may name a new tenant per request. `num_tenants` still counts every known one."""
-    scheduler = snapshot["scheduler"]
-    tenants = scheduler["tenants"]
-    scheduler["num_tenants"] = len(tenants)
-    scheduler["tenants"] = {name: tenants[name] for name in snapshot["fairness"]["tenants"]}
 
 
 ROUTES = [health, live, metrics, metrics_json]

@@ -258,10 +258,16 @@ class AsyncEngine:
     def snapshot(self) -> dict:
         """Everything the dashboard shows: latency windows, scheduler and KV state."""
         stats = self.engine.scheduler.stats()
+        fairness = self.metrics.fairness(stats.tenants)
+        scheduler = stats.to_dict()
+        # Clients may name a new tenant per request: list only the tenants the fairness part
+        # (and /metrics) shows, at most METRICS_MAX_TENANTS; num_tenants counts every known one.
+        scheduler["num_tenants"] = len(stats.tenants)
+        scheduler["tenants"] = {name: scheduler["tenants"][name] for name in fairness["tenants"]}
         return {
             "metrics": self.metrics.snapshot(),
-            "scheduler": stats.to_dict(),
-            "fairness": self.metrics.fairness(stats.tenants),
+            "scheduler": scheduler,
+            "fairness": fairness,
             "kv": self.engine.kv.stats(),
             "steps": self.engine.num_steps,
             "step_profile": self.engine.profile.summary(),
