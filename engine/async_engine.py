@@ -28,6 +28,7 @@ from engine.llm_engine import LLMEngine, StepFailed
 from engine.metrics import EngineGauges, ServingMetrics
 from engine.request import FinishReason, Sequence, StepOutput
 from engine.sched.admission import AddResult, AdmissionStatus
+from engine.structured.compiler import GrammarCompiler
 
 log = structlog.get_logger(__name__)
 
@@ -171,6 +172,12 @@ class AsyncEngine:
         if self._engine is None:
             raise RuntimeError("the engine is not started")
         return self._engine
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The engine's grammar compiler (LLMEngine.grammars): `await grammars.compile(spec)`
+        before submit(), then give each choice's Sequence its own `compiled.matcher()`."""
+        return self.engine.grammars
 
     @property
     def metrics(self) -> ServingMetrics:

@@ -111,13 +111,22 @@ class IncrementalDetokenizer:
         """The text returned so far."""
         return self._text[: self._emitted]
 
-    def update(self, token_id: int, finish_reason: FinishReason | None = None) -> DetokenizedStep:
-        """Add one generated token; `finish_reason` is what `check_stop` said about it."""
+    def update(
+        self,
+        token_id: int,
+        finish_reason: FinishReason | None = None,
+        *,
+        stop_token: bool = True,
+    ) -> DetokenizedStep:
+        """Add one generated token; `finish_reason` is what `check_stop` said about it.
+        A STOP with `stop_token` false ends the text after this token (a grammar completed
+        by it) instead of at a stop token whose text is left out."""
         if self.finished:
             raise RuntimeError("update() after the sequence finished")
         self._num_output_tokens += 1
         # A stop token's own text is left out unless the request asks for it.
-        if finish_reason is not FinishReason.STOP or self._params.include_stop_str_in_output:
+        dropped = finish_reason is FinishReason.STOP and stop_token
+        if not dropped or self._params.include_stop_str_in_output:
             self._tokens.append(token_id)
         self._decode_new_tokens(flush=finish_reason is not None)
 

@@ -2,13 +2,15 @@
 
 No threads and no asyncio here (see `engine.async_engine` for serving). Each step:
 
-    scheduler.schedule() -> runner (ForwardBatch -> model) -> sampler -> detokenizers
+    scheduler.schedule() -> runner (ForwardBatch -> model) -> sampler (grammar masks)
+    -> grammars advanced, detokenizers
     -> scheduler.update()  (advance computed tokens, commit KV blocks, retire finished)
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -31,6 +33,7 @@ from engine.sched.admission import AddResult
 from engine.sched.output import SchedulerOutput
 from engine.sched.scheduler import Scheduler, SchedulerConfig
 from engine.step_profile import StepProfile
+from engine.structured.compiler import GrammarCompiler
 
 log = structlog.get_logger(__name__)
 
@@ -106,6 +109,8 @@ class LLMEngine:
         self.faults = FaultInjector(config.faults, tokenizer) if config.faults else None
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self.num_steps = 0
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
 
     @classmethod
     def for_model(
@@ -115,6 +120,22 @@ class LLMEngine:
         return cls(
             backend, loaded.tokenizer, loaded.eos_token_ids, config, model_id=loaded.model_id
         )
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of output grammars for this model's tokenizer and logits, made on first
+        use (cheap: its tokenizer data is built on its own worker thread, on the first compile
+        or at grammars.warm_up()). Compile before submitting, e.g. in the server:
+
+            compiled = await engine.grammars.compile(spec)   # never on the engine thread
+            seq = Sequence(prompt, params, grammar=compiled.matcher())
+        """
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.backend.vocab_size, self.eos_token_ids
+                )
+            return self._grammars
 
     def _warm_up_kernels(self) -> None:
         """Build the kernels' per-shape state for every step shape now, on the thread that will
@@ -134,7 +155,10 @@ class LLMEngine:
             raise ValueError(f"sequence {seq.seq_id} was already added")
         # Created first: once the scheduler has seq, a step on the engine thread may sample it.
         self._detokenizers[seq.seq_id] = IncrementalDetokenizer(
-            self.tokenizer, seq.prompt_token_ids, seq.sampling
+            self.tokenizer,
+            seq.prompt_token_ids,
+            seq.sampling,
+            skip_special_tokens=seq.sampling.skip_special_tokens,
         )
         accepted = False
         try:
@@ -148,6 +172,9 @@ class LLMEngine:
     def abort(self, seq_id: int) -> bool:
         """Retire a sequence at once and free its blocks (call between steps)."""
         self._detokenizers.pop(seq_id, None)
+        seq = self.scheduler.get(seq_id)
+        if seq is not None:
+            seq.grammar = None
         return self.scheduler.abort(seq_id)
 
     @property
@@ -214,10 +241,17 @@ class LLMEngine:
         """Append a sampled token to `seq`, detokenize it and check stops (noting in `finished`)."""
         seq.output_token_ids.append(token)
         reason = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
-        text = self._detokenizers[seq.seq_id].update(token, reason)
-        if text.finish_reason is not None:
-            finished[seq.seq_id] = text.finish_reason
+        completed_grammar = False
+        if seq.grammar is not None:
+            reason, completed_grammar = self._advance_grammar(seq, token, reason)
+        text = self._detokenizers[seq.seq_id].update(
+            token, reason, stop_token=not completed_grammar
+        )
+        finish_reason = text.finish_reason
+        if finish_reason is not None:
+            finished[seq.seq_id] = finish_reason
             self._detokenizers.pop(seq.seq_id)
+            seq.grammar = None
         return (
             seq,
             StepOutput(
@@ -225,13 +259,44 @@ class LLMEngine:
                 new_token_ids=[token],
                 new_text=text.text,
                 logprobs=None if logprob is None else [logprob],
-                finished=text.finish_reason is not None,
-                finish_reason=text.finish_reason,
+                finished=finish_reason is not None,
+                finish_reason=finish_reason,
                 num_prompt_tokens=seq.num_prompt_tokens,
                 num_output_tokens=seq.num_output_tokens,
                 num_cached_tokens=seq.num_cached_prompt_tokens,
             ),
         )
+
+    @staticmethod
+    def _advance_grammar(
+        seq: Sequence, token: int, reason: FinishReason | None
+    ) -> tuple[FinishReason | None, bool]:
+        """Advance seq's grammar by `token`, given check_stop's `reason`; returns the finish
+        reason and whether the grammar completed the output with this token (whose text, unlike
+        a stop token's, is part of the output).
+
+        STOP from check_stop is a stop token, which the sampler allows only where the grammar
+        is complete: it ends the output and is not the grammar's. Otherwise the token is
+        the grammar's next; once nothing but EOS can follow, the output ends now, as STOP,
+        rather than after a step that could only sample EOS. Until then LENGTH (max_tokens,
+        the context) ends it as LENGTH: never STOP with the grammar incomplete.
+        """
+        grammar = seq.grammar
+        if grammar is None or reason is FinishReason.STOP:
+            return reason, False
+        if not grammar.accept(token):
+            # The sampler draws from what the grammar allows, so this is a parser limit or a
+            # bug; the output is incomplete.
+            log.warning(
+                "grammar refused a sampled token",
+                request_id=seq.request_id,
+                token=token,
+                error=grammar.error,
+            )
+            return FinishReason.LENGTH, False
+        if grammar.is_terminated:
+            return FinishReason.STOP, True
+        return reason, False
 
 
 def _num_kv_blocks(backend: InferenceBackend, config: EngineConfig) -> dict[str, int] | SharedPages:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from engine.backends import create_backend
 from engine.device import resolve_device, resolve_dtype
+from engine.events import ChoiceTracker, Event, fold
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model.linear_kernels import kernel_for
 from engine.model.loader import EMBEDDED_MODEL, LoadedModel, load_model
@@ -108,8 +109,9 @@ class LLM:
                     "max_tokens",
                 )
             seqs.append(seq)
-        texts: dict[int, list[str]] = {seq.seq_id: [] for seq in seqs}
-        logprobs: dict[int, list[TokenLogprob]] = {seq.seq_id: [] for seq in seqs}
+        # The same events the server streams (engine.events), folded into each prompt's result.
+        trackers = {seq.seq_id: ChoiceTracker(i) for i, seq in enumerate(seqs)}
+        events: list[Event] = []
         # More prompts than the waiting queue holds are fed in as it drains.
         pending = deque(seqs)
         while pending or self.engine.has_work:
@@ -124,19 +126,19 @@ class LLM:
                 else:
                     break  # queue full: retry after a step
             for seq, out in self.engine.step():
-                if seq.seq_id in texts:
-                    texts[seq.seq_id].append(out.new_text)
-                    logprobs[seq.seq_id].extend(out.logprobs or [])
+                if (tracker := trackers.get(seq.seq_id)) is not None:
+                    events += tracker.events(out)
+        folded = fold(events, len(seqs))
         return [
             GenerationResult(
                 prompt_token_ids=seq.prompt_token_ids,
                 token_ids=list(seq.output_token_ids),
-                text="".join(texts[seq.seq_id]),
+                text=result.text,
                 finish_reason=seq.finish_reason or FinishReason.STOP,
-                logprobs=logprobs[seq.seq_id],
+                logprobs=result.logprobs,
                 num_cached_tokens=seq.num_cached_prompt_tokens,
             )
-            for seq in seqs
+            for seq, result in zip(seqs, folded.choices, strict=True)
         ]
 
 

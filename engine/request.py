@@ -6,8 +6,12 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured.compiler import GrammarMatcher
 
 DEFAULT_TENANT = "default"
 
@@ -54,6 +58,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # The output's grammar state (engine.structured): each of a request's n choices gets its
+    # own matcher of one CompiledGrammar. The engine advances it and drops it at the end.
+    grammar: GrammarMatcher | None = field(default=None, repr=False, compare=False)
 
     @property
     def token_ids(self) -> list[int]:

@@ -10,13 +10,19 @@ One call turns the logits of every sequence that needs a token this step into to
    logit -= frequency_penalty * count + presence_penalty * (count > 0);
 4. while fewer than min_tokens tokens were generated, EOS (unless ignore_eos) and the stop
    token ids get logit -inf;
-5. greedy rows (temperature below 1e-5) take the argmax; the others divide by temperature,
+5. rows with a grammar (row.grammar, engine.structured) keep only the tokens it allows next;
+   the others get logit -inf. The row's stop tokens (its stop_token_ids, and EOS unless
+   ignore_eos) are allowed exactly when the grammar is complete, whatever the grammar calls
+   EOS: a chat row ends on <end_of_turn>, say. Rows without a grammar pay nothing for this
+   step, and a batch without any pays nothing at all;
+6. greedy rows (temperature below 1e-5) take the argmax; the others divide by temperature,
    softmax, then keep top-k, then top-p of the renormalized top-k distribution (the smallest
    set of most likely tokens whose mass reaches top_p; the most likely token alone at top_p 0),
    then tokens with probability at least min_p times the largest, and draw from what is kept.
 
 Logprobs (and the top alternatives) are those of the raw model output: log_softmax of the
-logits as given, before any of the steps above, so they do not depend on sampling settings.
+logits as given, before any of the steps above, so they do not depend on sampling settings
+(nor on a grammar: a token the grammar forced may have a low logprob).
 
 Randomness: a draw needs one uniform number u per row, used by inverse-CDF sampling over the
 kept tokens in token-id order. A seeded row takes u from a generator keyed by (seed, step),
@@ -30,6 +36,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +44,10 @@ import torch.nn.functional as F
 from engine.request import Sequence as EngineSequence
 from engine.request import TokenLogprob
 from engine.sampling import SamplingParams
+from engine.structured.bitmask import apply_bitmask_rows, bitmask_words, set_bits
+
+if TYPE_CHECKING:
+    from engine.structured.compiler import GrammarMatcher
 
 # Dividing by a smaller temperature overflows float32; treat it as greedy.
 _GREEDY_TEMPERATURE = 1e-5
@@ -59,10 +70,17 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     step: int  # tokens already generated; keys the seeded draw and min_tokens
+    grammar: GrammarMatcher | None = None  # the row's output constraint, read-only here
 
     @classmethod
     def from_sequence(cls, seq: EngineSequence) -> SamplingRow:
-        return cls(seq.sampling, seq.prompt_token_ids, seq.output_token_ids, seq.num_output_tokens)
+        return cls(
+            seq.sampling,
+            seq.prompt_token_ids,
+            seq.output_token_ids,
+            seq.num_output_tokens,
+            seq.grammar,
+        )
 
 
 @dataclass
@@ -78,6 +96,8 @@ class Sampler:
         # tensor each step is 32 MiB of new pages (8,192 page faults), which cost more than
         # the exponentials written into them.
         self._probs = torch.empty(0)
+        # The token bitmask of the rows with a grammar (int32, 32 tokens a word), kept too.
+        self._bitmask = torch.empty(0, 0, dtype=torch.int32)
 
     def _probs_buffer(self, like: torch.Tensor) -> torch.Tensor:
         """A [rows, vocab] scratch tensor of `like`'s dtype and device (contents undefined)."""
@@ -101,27 +121,82 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         logits = logits.float()
         processed = self.adjust_logits(logits, rows)
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if not constrained:
+            token_ids = self._choose(processed, rows)
+        else:
+            # Masked in place: in adjust_logits' copy if it made one, else in the caller's
+            # tensor, whose masked rows are put back before the logprobs read them.
+            saved = None
+            if processed is logits:
+                if len(constrained) == len(rows):
+                    processed = logits.clone()
+                else:
+                    saved = logits[_index(constrained, logits.device)]
+            try:
+                self.apply_grammars(processed, rows, constrained)
+                token_ids = self._choose(processed, rows)
+            finally:
+                if saved is not None:
+                    logits[_index(constrained, logits.device)] = saved
+        ids = token_ids.tolist()
+        return SamplerOutput(ids, _logprobs(logits, rows, token_ids, ids))
 
+    def _choose(self, processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Step 6: one token id per row of the processed logits."""
         greedy = [i for i, r in enumerate(rows) if r.params.temperature < _GREEDY_TEMPERATURE]
         if len(greedy) == len(rows):
             token_ids = _argmax(processed)
         elif not greedy:  # no row copies: at 16 rows of 262,144 logits a copy costs 1 ms
             token_ids = _draw(processed, rows, self._probs_buffer(processed))
         else:
-            token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+            token_ids = torch.empty(len(rows), dtype=torch.long, device=processed.device)
             if greedy:
-                index = _index(greedy, logits.device)
+                index = _index(greedy, processed.device)
                 token_ids[index] = _argmax(processed[index])
             greedy_set = set(greedy)
             drawn = [i for i in range(len(rows)) if i not in greedy_set]
-            index = _index(drawn, logits.device)
+            index = _index(drawn, processed.device)
             drawn_logits = processed[index]
             token_ids[index] = _draw(
                 drawn_logits, [rows[i] for i in drawn], self._probs_buffer(drawn_logits)
             )
+        return token_ids
 
-        ids = token_ids.tolist()
-        return SamplerOutput(ids, _logprobs(logits, rows, token_ids, ids))
+    def apply_grammars(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], constrained: list[int]
+    ) -> None:
+        """Step 5, in place, on the rows listed in `constrained` (each has a grammar)."""
+        from engine.structured.compiler import fill_bitmasks
+
+        vocab = logits.shape[1]
+        bitmask = self._bitmask_buffer(len(constrained), bitmask_words(vocab))
+        matchers = [grammar for i in constrained if (grammar := rows[i].grammar) is not None]
+        if len(matchers) != len(constrained):
+            raise ValueError("every constrained row needs a grammar")
+        fill_bitmasks(matchers, bitmask)
+        words = bitmask.numpy()
+        for j, i in enumerate(constrained):
+            params = rows[i].params
+            stop_ids = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                stop_ids.update(self.eos_token_ids)
+            stop_ids = {t for t in stop_ids if 0 <= t < vocab}
+            if matchers[j].is_accepting:
+                set_bits(words[j], sorted(stop_ids), allowed=True)
+                # The grammar allows its own EOS ids once complete: not when EOS is ignored.
+                set_bits(words[j], sorted(set(self.eos_token_ids) - stop_ids), allowed=False)
+            else:  # a stop id the grammar allows as text would end the output unfinished
+                set_bits(words[j], sorted(stop_ids), allowed=False)
+        apply_bitmask_rows(logits, bitmask, constrained)
+
+    def _bitmask_buffer(self, rows: int, words: int) -> torch.Tensor:
+        """A [rows, words] int32 scratch bitmask (contents undefined)."""
+        buffer = self._bitmask
+        if buffer.shape[1] != words or buffer.shape[0] < rows:
+            buffer = torch.empty(max(rows, buffer.shape[0]), words, dtype=torch.int32)
+            self._bitmask = buffer
+        return buffer[:rows]
 
     def adjust_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Steps 1-4 of the module docstring; returns `logits` itself when no row needs them."""

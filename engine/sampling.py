@@ -34,6 +34,9 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # number of top alternatives to return; None: no logprobs
     include_stop_str_in_output: bool = False
+    # Special tokens' text is left out of the output, except where it carries meaning (Gemma
+    # 4's tool-call tokens, which the tool parser reads).
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self.validate()

@@ -8,9 +8,9 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from app.generation import ChoiceState
 from compat.logprobs import chat_logprobs, completion_logprobs, piece_bytes
 from engine.detokenizer import IncrementalDetokenizer
+from engine.events import ChoiceTracker, TextDelta, fold
 from engine.request import FinishReason, StepOutput, TokenLogprob
 from engine.sampling import SamplingParams
 from tests.conftest import RunningServer
@@ -96,14 +96,16 @@ def offsets_whole_and_streamed(
     tokenizer, steps: list[StepOutput]
 ) -> tuple[str, list[int], list[int]]:
     """(choice text, text_offset of the whole response, text_offset joined from a stream)."""
-    whole, streamed = ChoiceState(0), ChoiceState(0)
+    tracker = ChoiceTracker(0)
+    events = [event for out in steps for event in tracker.events(out)]
     chunk_offsets = []
-    for out in steps:
-        whole.add(out)
-        chunk = completion_logprobs(out.logprobs or [], text_of(tokenizer), streamed.add(out))
-        chunk_offsets += chunk.text_offset
+    for event in events:
+        if isinstance(event, TextDelta):
+            chunk = completion_logprobs(event.logprobs, text_of(tokenizer), event.text_offsets)
+            chunk_offsets += chunk.text_offset
+    [whole] = fold(events, 1).choices
     response = completion_logprobs(whole.logprobs, text_of(tokenizer), whole.text_offsets)
-    return "".join(whole.text), response.text_offset, chunk_offsets
+    return whole.text, response.text_offset, chunk_offsets
 
 
 def test_text_offsets_over_byte_tokens(tokenizer) -> None:
