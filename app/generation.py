@@ -1,8 +1,10 @@
 """From a validated OpenAI request to engine sequences and back to OpenAI responses.
 
 Transport-agnostic: the HTTP routes and the WebSocket endpoint both use it. Each prompt x n
-choices becomes one engine sequence; their outputs are merged into one response, or one stream
-of chunks in OpenAI's exact order.
+choices becomes one engine sequence; `events()` merges their outputs into one stream of neutral
+events (engine.events: text, tool-call deltas, finishes, usage), which a formatter
+(compat.formatters, or the WebSocket's) turns into the wire's shape. A non-streamed response is
+the fold of the same events.
 """
 
 from __future__ import annotations
@@ -11,11 +13,11 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import structlog
-from msgspec import UNSET
 
+from compat.chat_output import ChatOutputPlan, ChoiceOutput, plan_chat_output
 from compat.chat_template import GEMMA_END_OF_TURN, render_chat_prompt
 from compat.engine_mapping import check_token_ids, to_sampling_params
 from compat.errors import (
@@ -25,23 +27,19 @@ from compat.errors import (
     rate_limited,
     server_shutting_down,
 )
-from compat.logprobs import chat_logprobs, completion_logprobs, piece_bytes
+from compat.formatters import ChatFormatter, CompletionFormatter, ResponseMeta
+from compat.logprobs import piece_bytes
 from compat.request_types import ChatCompletionRequest, CompletionRequest
 from compat.response_types import (
-    ChatChoice,
-    ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatDelta,
-    ChatResponseMessage,
     Completion,
-    CompletionChoice,
-    Usage,
-    make_usage,
     new_chat_completion_id,
     new_completion_id,
 )
-from compat.response_types import FinishReason as OpenAIFinishReason
+from compat.structured import GrammarRequest, JsonStyle, grammar_error, requested_grammar
+from compat.tool_parsers import ToolParser, parser_for
+from compat.tools import resolve_tool_choice
 from engine.async_engine import (
     AsyncEngine,
     EngineDraining,
@@ -49,8 +47,10 @@ from engine.async_engine import (
     RequestStream,
     RequestTooLarge,
 )
-from engine.request import DEFAULT_TENANT, FinishReason, Sequence, StepOutput, TokenLogprob
+from engine.events import ChoiceTracker, Event, TextDelta, fold, usage_of
+from engine.request import DEFAULT_TENANT, Sequence, StepOutput
 from engine.sampling import SamplingParams
+from engine.structured import CompiledGrammar, InvalidGrammar
 
 log = structlog.get_logger(__name__)
 
@@ -67,6 +67,20 @@ class Identity:
 
 
 @dataclass
+class Admitted:
+    """A request whose sequences are in the engine (prompt-major, n choices per prompt)."""
+
+    streams: list[RequestStream]
+    n: int
+    echo_texts: list[str]  # per prompt: what a completion with `echo` repeats first
+    output: ChatOutputPlan | None = None  # how a chat's text becomes content and tool calls
+
+    def output_for(self, choice: int) -> ChoiceOutput:
+        """The per-choice reader of the generated text (tool calls, or plain text)."""
+        return ChoiceOutput(choice, self.output)
+
+
+@dataclass
 class PreparedPrompt:
     token_ids: list[int]
     text: str  # for echo
@@ -76,42 +90,6 @@ class PreparedPrompt:
     max_tokens_param: str
 
 
-@dataclass
-class ChoiceState:
-    """What one choice has produced so far."""
-
-    index: int
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    text_offsets: list[int] = field(default_factory=list)  # per logprobs entry
-    text_length: int = 0  # of the text so far
-    finish_reason: FinishReason | None = None
-
-    def add(self, out: StepOutput) -> list[int]:
-        """Record one step; returns where its logprobs entries' tokens begin in the text."""
-        # Where the text before the step ends: the detokenizer shows a character split over
-        # byte tokens with its last one, so no offset passes the text, and a stream agrees
-        # with the whole response.
-        offsets = [self.text_length] * len(out.logprobs or [])
-        self.text_length += len(out.new_text)
-        self.text.append(out.new_text)
-        self.token_ids.extend(out.new_token_ids)
-        self.logprobs.extend(out.logprobs or [])
-        self.text_offsets.extend(offsets)
-        self.prompt_tokens = out.num_prompt_tokens
-        self.cached_tokens = out.num_cached_tokens
-        if out.finished:
-            self.finish_reason = out.finish_reason
-        return offsets
-
-
-def openai_finish_reason(reason: FinishReason | None) -> OpenAIFinishReason:
-    return "length" if reason is FinishReason.LENGTH else "stop"
-
-
 class GenerationService:
     def __init__(
         self,
@@ -119,8 +97,14 @@ class GenerationService:
         model_id: str,
         eviction_policy: str = "none",
         session_kv_tokens: int | None = None,
+        json_style: JsonStyle = JsonStyle(),
+        max_tool_calls: int = 4,
     ) -> None:
         self.engine = engine
+        # How structured outputs' JSON is written (compat.structured), and the most calls in
+        # one reply forced by tool_choice "required".
+        self.json_style = json_style
+        self.max_tool_calls = max_tool_calls
         self.model_id = model_id
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
@@ -136,6 +120,7 @@ class GenerationService:
         self.chat_stop_ids = (
             [end_of_turn] if isinstance(end_of_turn, int) and end_of_turn != unk else []
         )
+        self.tool_parser: ToolParser = parser_for(self.tokenizer)  # how the model writes calls
 
     # ------------------------------------------------------------------ preparing
 
@@ -184,7 +169,9 @@ class GenerationService:
 
     def prepare_chat(self, req: ChatCompletionRequest) -> PreparedPrompt:
         self.check_model(req.model)
-        text = render_chat_prompt(req.messages, self.tokenizer)
+        # tool_choice "none": the model is not told of tools it may not call.
+        tools = req.tools if resolve_tool_choice(req) != "none" else None
+        text = render_chat_prompt(req.messages, self.tokenizer, tools=tools)
         ids = self.encode_text(text)
         sampling = to_sampling_params(
             req, num_prompt_tokens=len(ids), max_model_len=self.max_model_len,
@@ -205,9 +192,11 @@ class GenerationService:
         cache_salt: str | None = None,
         eviction_policy: str | None = None,
         kv_tokens: int | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> list[RequestStream]:
         """Submit every prompt x n choices; all or none are admitted (429/400 otherwise).
-        `eviction_policy` and `kv_tokens` override the server's per-session defaults."""
+        `eviction_policy` and `kv_tokens` override the server's per-session defaults; each
+        sequence follows its own matcher of `grammar`."""
         policy = eviction_policy or self.eviction_policy
         budget = (kv_tokens or self.session_kv_tokens) if policy != "none" else None
         queue_len = self.engine.engine.scheduler.config.max_queue_len
@@ -234,6 +223,7 @@ class GenerationService:
                             max_kv_tokens=budget,
                             # One pin per conversation: a turn with several choices pins none.
                             kv_session=identity.kv_session if len(prompts) * n == 1 else None,
+                            grammar=None if grammar is None else grammar.matcher(),
                         )
                         streams.append(self.engine.submit(seq))
         except EngineOverloaded as exc:
@@ -268,17 +258,15 @@ class GenerationService:
                 )
         return context_length_exceeded(prompts[0].max_tokens_param, message)
 
-    def _submit_request(
-        self,
-        req: CompletionRequest | ChatCompletionRequest,
-        prompts: list[PreparedPrompt],
-        identity: Identity,
-    ) -> list[RequestStream]:
-        """submit() with the request's choices, priority and cache salt."""
-        return self.submit(
-            prompts, req.num_choices, identity, priority=req.priority or 0,
-            cache_salt=req.cache_salt,
-        )  # fmt: skip
+    async def compile_grammar(self, request: GrammarRequest | None) -> CompiledGrammar | None:
+        """Compile (off the engine thread, cached by spec) what a request's output must match;
+        a grammar that does not compile is a 400 naming the field that gave it."""
+        if request is None:
+            return None
+        try:
+            return await self.engine.engine.grammars.compile(request.spec)
+        except InvalidGrammar as exc:
+            raise grammar_error(request.param, str(exc)) from None
 
     async def merged(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, StepOutput]]:
         """(choice index, output) from all streams as they arrive; aborts all on exit."""
@@ -314,156 +302,113 @@ class GenerationService:
                 completion_tokens=sum(s.seq.num_output_tokens for s in streams),
             )
 
+    async def events(self, admitted: Admitted) -> AsyncIterator[Event]:
+        """The generation as neutral events: each choice's echo, its text and tool calls as
+        they come, its finish, then the usage of all choices."""
+        n = admitted.n
+        trackers = [ChoiceTracker(i) for i in range(len(admitted.streams))]
+        outputs = [admitted.output_for(i) for i in range(len(trackers))]
+        for i in range(len(trackers)):
+            if echo := admitted.echo_texts[i // n]:
+                yield TextDelta(i, echo, echo=True)
+        async for index, out in self.merged(admitted.streams):
+            for event in trackers[index].events(out):
+                for shaped in outputs[index].shape(event):
+                    yield shaped
+        yield usage_of(trackers, n)
+
     # ------------------------------------------------------------------ /v1/completions
 
-    async def completion(self, req: CompletionRequest, identity: Identity) -> Completion:
+    async def start_completion(self, req: CompletionRequest, identity: Identity) -> Admitted:
+        """Validate, compile any grammar and admit (errors raise before anything is sent)."""
         prompts = self.prepare_completion(req)
-        n = req.num_choices
-        streams = self._submit_request(req, prompts, identity)
-        choices = [ChoiceState(i) for i in range(len(streams))]
-        async for index, out in self.merged(streams):
-            choices[index].add(out)
-        return Completion(
-            id=new_completion_id(),
-            created=int(time.time()),
-            model=self.model_id,
-            choices=[
-                CompletionChoice(
-                    index=c.index,
-                    text=(prompts[c.index // n].text if req.echo else "") + "".join(c.text),
-                    logprobs=completion_logprobs(c.logprobs, self.token_text, c.text_offsets)
-                    if req.logprobs is not None
-                    else None,
-                    finish_reason=openai_finish_reason(c.finish_reason),
-                )
-                for c in choices
-            ],
-            usage=usage_of(choices, n),
+        grammar = await self.compile_grammar(
+            requested_grammar(None, req.structured_outputs, self.json_style)
         )
+        streams = self.submit(
+            prompts, req.num_choices, identity, priority=req.priority or 0,
+            cache_salt=req.cache_salt, grammar=grammar,
+        )  # fmt: skip
+        echo = [p.text if req.echo else "" for p in prompts]
+        return Admitted(streams, req.num_choices, echo)
+
+    def completion_formatter(self, req: CompletionRequest) -> CompletionFormatter:
+        return CompletionFormatter(
+            ResponseMeta(new_completion_id(), int(time.time()), self.model_id),
+            self.token_text, logprobs=req.logprobs is not None, include_usage=req.include_usage,
+        )  # fmt: skip
+
+    async def completion(self, req: CompletionRequest, identity: Identity) -> Completion:
+        admitted = await self.start_completion(req, identity)
+        folded = fold([event async for event in self.events(admitted)], len(admitted.streams))
+        return self.completion_formatter(req).response(folded)
 
     async def completion_stream(
         self, req: CompletionRequest, identity: Identity
     ) -> AsyncIterator[Completion]:
         """Validate and admit now (errors raise before anything is sent), then stream."""
-        prompts = self.prepare_completion(req)
-        n = req.num_choices
-        streams = self._submit_request(req, prompts, identity)
-        return self._completion_chunks(req, prompts, n, streams)
-
-    async def _completion_chunks(
-        self, req: CompletionRequest, prompts: list[PreparedPrompt], n: int,
-        streams: list[RequestStream],
-    ) -> AsyncIterator[Completion]:  # fmt: skip
-        completion_id, created = new_completion_id(), int(time.time())
-        choices = [ChoiceState(i) for i in range(len(streams))]
-
-        def chunk(choice: CompletionChoice) -> Completion:
-            # No `usage: null` (chat chunks have it): the spec's completion usage is not nullable.
-            return Completion(
-                id=completion_id, created=created, model=self.model_id, choices=[choice]
-            )
-
-        if req.echo:
-            for i in range(len(streams)):
-                yield chunk(CompletionChoice(index=i, text=prompts[i // n].text))
-        async for index, out in self.merged(streams):
-            offsets = choices[index].add(out)
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs = completion_logprobs(out.logprobs or [], self.token_text, offsets)
-            if out.new_text or out.finished or logprobs is not None:
-                yield chunk(
-                    CompletionChoice(
-                        index=index,
-                        text=out.new_text,
-                        logprobs=logprobs,
-                        finish_reason=openai_finish_reason(out.finish_reason)
-                        if out.finished
-                        else None,
-                    )
-                )
-        if req.include_usage:
-            yield Completion(
-                id=completion_id, created=created, model=self.model_id, choices=[],
-                usage=usage_of(choices, n),
-            )  # fmt: skip
+        admitted = await self.start_completion(req, identity)
+        return _formatted(self.completion_formatter(req), self.events(admitted))
 
     # ------------------------------------------------------------------ /v1/chat/completions
 
-    async def chat(self, req: ChatCompletionRequest, identity: Identity) -> ChatCompletion:
+    async def start_chat(
+        self,
+        req: ChatCompletionRequest,
+        identity: Identity,
+        *,
+        eviction_policy: str | None = None,
+        kv_tokens: int | None = None,
+    ) -> Admitted:
+        """Validate, compile any grammar and admit (errors raise before anything is sent)."""
+        plan = plan_chat_output(req, self.tool_parser, self.json_style, self.max_tool_calls)
         prompt = self.prepare_chat(req)
-        n = req.num_choices
-        streams = self._submit_request(req, [prompt], identity)
-        choices = [ChoiceState(i) for i in range(n)]
-        async for index, out in self.merged(streams):
-            choices[index].add(out)
-        return ChatCompletion(
-            id=new_chat_completion_id(),
-            created=int(time.time()),
-            model=self.model_id,
-            choices=[
-                ChatChoice(
-                    index=c.index,
-                    message=ChatResponseMessage(content="".join(c.text)),
-                    logprobs=chat_logprobs(c.logprobs, self.token_text, self.token_bytes)
-                    if req.logprobs
-                    else None,
-                    finish_reason=openai_finish_reason(c.finish_reason),
-                )
-                for c in choices
-            ],
-            usage=usage_of(choices, n),
-        )
+        if plan.tool_parser is not None and plan.tool_parser.uses_special_tokens:
+            prompt.sampling = replace(prompt.sampling, skip_special_tokens=False)
+        grammar = await self.compile_grammar(plan.grammar)
+        streams = self.submit(
+            [prompt], req.num_choices, identity, priority=req.priority or 0,
+            cache_salt=req.cache_salt, grammar=grammar, eviction_policy=eviction_policy,
+            kv_tokens=kv_tokens,
+        )  # fmt: skip
+        return Admitted(streams, req.num_choices, [""], plan)
+
+    def chat_formatter(self, req: ChatCompletionRequest) -> ChatFormatter:
+        return ChatFormatter(
+            ResponseMeta(new_chat_completion_id(), int(time.time()), self.model_id),
+            self.token_text, self.token_bytes, logprobs=bool(req.logprobs),
+            include_usage=req.include_usage,
+        )  # fmt: skip
+
+    async def chat(self, req: ChatCompletionRequest, identity: Identity) -> ChatCompletion:
+        admitted = await self.start_chat(req, identity)
+        folded = fold([event async for event in self.events(admitted)], len(admitted.streams))
+        return self.chat_formatter(req).response(folded)
 
     async def chat_stream(
         self, req: ChatCompletionRequest, identity: Identity
     ) -> AsyncIterator[ChatCompletionChunk]:
         """Validate and admit now (errors raise before anything is sent), then stream."""
-        prompt = self.prepare_chat(req)
-        n = req.num_choices
-        streams = self._submit_request(req, [prompt], identity)
-        return self._chat_chunks(req, n, streams)
+        admitted = await self.start_chat(req, identity)
+        formatter = self.chat_formatter(req)
+        return _chat_chunks(formatter, admitted.n, self.events(admitted))
 
-    async def _chat_chunks(
-        self, req: ChatCompletionRequest, n: int, streams: list[RequestStream]
-    ) -> AsyncIterator[ChatCompletionChunk]:
-        chunk_id, created = new_chat_completion_id(), int(time.time())
-        choices = [ChoiceState(i) for i in range(n)]
 
-        def chunk(choice: ChatChunkChoice) -> ChatCompletionChunk:
-            return ChatCompletionChunk(
-                id=chunk_id, created=created, model=self.model_id, choices=[choice],
-                usage=None if req.include_usage else UNSET,
-            )  # fmt: skip
+async def _formatted(
+    formatter: CompletionFormatter | ChatFormatter, events: AsyncIterator[Event]
+) -> AsyncIterator:
+    async for event in events:
+        if (chunk := formatter.chunk(event)) is not None:
+            yield chunk
 
-        for i in range(n):
-            yield chunk(ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")))
-        async for index, out in self.merged(streams):
-            choices[index].add(out)
-            logprobs = (
-                chat_logprobs(out.logprobs or [], self.token_text, self.token_bytes)
-                if req.logprobs
-                else None
-            )
-            if out.new_text or logprobs is not None:
-                yield chunk(
-                    ChatChunkChoice(
-                        index=index, delta=ChatDelta(content=out.new_text), logprobs=logprobs
-                    )
-                )
-            if out.finished:
-                yield chunk(
-                    ChatChunkChoice(
-                        index=index,
-                        delta=ChatDelta(),
-                        finish_reason=openai_finish_reason(out.finish_reason),
-                    )
-                )
-        if req.include_usage:
-            yield ChatCompletionChunk(
-                id=chunk_id, created=created, model=self.model_id, choices=[],
-                usage=usage_of(choices, n),
-            )  # fmt: skip
+
+async def _chat_chunks(
+    formatter: ChatFormatter, n: int, events: AsyncIterator[Event]
+) -> AsyncIterator[ChatCompletionChunk]:
+    for opening in formatter.opening(n):
+        yield opening
+    async for chunk in _formatted(formatter, events):
+        yield chunk
 
 
 def _stream_error(exc: Exception) -> ApiError:
@@ -480,11 +425,3 @@ def _choice_sampling(sampling: SamplingParams, choice: int) -> SamplingParams:
     if sampling.seed is None or choice == 0:
         return sampling
     return replace(sampling, seed=sampling.seed + choice)
-
-
-def usage_of(choices: list[ChoiceState], n: int) -> Usage:
-    """Prompt tokens count once per prompt (not per choice), as OpenAI reports them."""
-    prompt_tokens = sum(c.prompt_tokens for c in choices[::n])
-    cached = sum(c.cached_tokens for c in choices[::n])
-    completion_tokens = sum(len(c.token_ids) for c in choices)
-    return make_usage(prompt_tokens, completion_tokens, cached)

@@ -16,18 +16,26 @@ import asyncio
 import contextlib
 import secrets
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import structlog
 from litestar import WebSocket, websocket
 from litestar.exceptions import WebSocketDisconnect
-from msgspec import UNSET, UnsetType
+from msgspec import UNSET, Meta, UnsetType
 
 from app.auth import identity_for, tenant_for_key
-from app.generation import ChoiceState, GenerationService, Identity, usage_of
+from app.generation import Admitted, GenerationService, Identity
 from app.server import ServerState
-from compat.errors import ApiError, ErrorDetail, invalid_value, server_error, too_deeply_nested
+from compat.errors import (
+    ApiError,
+    ErrorDetail,
+    from_decode_error,
+    invalid_value,
+    server_error,
+    too_deeply_nested,
+)
+from compat.formatters import openai_usage, tool_call_chunk, tool_call_response
 from compat.limits import MAX_IDENTIFIER_LENGTH
 from compat.logprobs import chat_logprobs, completion_logprobs
 from compat.request_types import (
@@ -36,8 +44,8 @@ from compat.request_types import (
     decode_chat_completion_request,
     decode_completion_request,
 )
-from compat.response_types import ChatLogprobs, CompletionLogprobs, Usage
-from engine.async_engine import RequestStream
+from compat.response_types import ChatLogprobs, CompletionLogprobs, ToolCallChunk, Usage
+from engine.events import FoldedGeneration, TextDelta, ToolCallDelta, fold
 from engine.kv.eviction import EVICTION_POLICIES
 
 log = structlog.get_logger(__name__)
@@ -49,6 +57,55 @@ MAX_SESSIONS_PER_SOCKET = 64  # each holds a chat history in server memory
 _ENVELOPE = ("type", "id", "endpoint", "session")
 # Names echoed in every event of their generation or session, and logged: bounded like `user`.
 _NAMES = ("id", "session")
+
+
+# --- client -> server ------------------------------------------------------------------------
+
+Name = Annotated[str, Meta(min_length=1, max_length=MAX_IDENTIFIER_LENGTH)]
+
+
+class Generate(msgspec.Struct, tag="generate", tag_field="type", kw_only=True):
+    """Starts a generation; the frame's other fields are the chat or completions body."""
+
+    id: Name
+    endpoint: Literal["chat", "completions"] | None = None
+    session: Name | None = None
+
+
+class Cancel(msgspec.Struct, tag="cancel", tag_field="type"):
+    id: Name
+
+
+class Auth(msgspec.Struct, tag="auth", tag_field="type"):
+    api_key: Annotated[str, Meta(min_length=1)]
+
+
+class SessionStart(msgspec.Struct, tag="session.start", tag_field="type", kw_only=True):
+    session: Name | None = None
+    eviction_policy: str | None = None  # one of EVICTION_POLICIES (checked with its message)
+    kv_tokens: Annotated[int, Meta(ge=1)] | None = None
+
+
+class SessionEnd(msgspec.Struct, tag="session.end", tag_field="type"):
+    session: Name
+
+
+ClientFrame = Generate | Cancel | Auth | SessionStart | SessionEnd
+_FRAME_TYPES = "'generate', 'cancel', 'session.start', 'session.end', 'auth'"
+
+
+def decode_frame(message: dict[str, Any]) -> ClientFrame:
+    """A client's JSON object -> its frame; ApiError (400) naming the field otherwise."""
+    kind = message.get("type")
+    if isinstance(kind, str) and kind not in ("generate", "cancel", "auth", "session.start",
+                                              "session.end"):  # fmt: skip
+        raise invalid_value(
+            "type", f"Unknown message type {kind!r}; expected one of {_FRAME_TYPES}."
+        )
+    try:
+        return msgspec.convert(message, ClientFrame)
+    except msgspec.ValidationError as exc:
+        raise from_decode_error(exc) from None
 
 
 # --- server -> client ------------------------------------------------------------------------
@@ -67,6 +124,7 @@ class Delta(msgspec.Struct, tag="delta", tag_field="type"):
     choice: int
     text: str
     logprobs: ChatLogprobs | CompletionLogprobs | UnsetType = UNSET  # only when asked for
+    tool_calls: list[ToolCallChunk] | UnsetType = UNSET  # as in a chat chunk's delta
 
 
 class Done(msgspec.Struct, tag="done", tag_field="type"):
@@ -125,31 +183,6 @@ def _conflict(param: str, message: str, code: str) -> ApiError:
     return ApiError(message, status=409, param=param, code=code)
 
 
-def _optional_string_field(message: dict[str, Any], name: str) -> str | None:
-    value = message.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise ApiError(
-            f"Invalid type for '{name}': expected a non-empty string.",
-            param=name,
-            code="invalid_type",
-        )
-    if name in _NAMES and len(value) > MAX_IDENTIFIER_LENGTH:
-        limit = MAX_IDENTIFIER_LENGTH
-        raise invalid_value(
-            name, f"Invalid value for '{name}': expected string of length <= {limit}."
-        )
-    return value
-
-
-def _string_field(message: dict[str, Any], name: str) -> str:
-    value = _optional_string_field(message, name)
-    if value is None:
-        raise _missing(name)
-    return value
-
-
 # --- per-socket state ----------------------------------------------------------------------
 
 
@@ -170,9 +203,7 @@ class Generation:
     id: str
     is_chat: bool
     request: ChatCompletionRequest | CompletionRequest
-    streams: list[RequestStream]
-    n: int
-    echo_texts: list[str]  # per prompt, sent first when a completion asks for echo
+    admitted: Admitted
     session: ChatSession | None = None
     new_messages: list[dict[str, Any]] = field(default_factory=list)
     task: asyncio.Task | None = None
@@ -298,8 +329,9 @@ class WsConnection:
                     "first message, or the Authorization: Bearer header on the handshake.",
                     "missing_api_key",
                 )
-            api_key = _string_field(message, "api_key")
-            self.key_tenant = tenant_for_key(keys, f"Bearer {api_key}")
+            auth = decode_frame(message)
+            assert isinstance(auth, Auth)
+            self.key_tenant = tenant_for_key(keys, f"Bearer {auth.api_key}")
             return True
         except ApiError as exc:
             if exc.status != 401:  # a malformed first message is still a missing key
@@ -312,7 +344,7 @@ class WsConnection:
         """The client went away: abort every generation (their blocks are freed)."""
         tasks = []
         for generation in list(self.generations.values()):
-            for stream in generation.streams:
+            for stream in generation.admitted.streams:
                 stream.abort()
             if generation.task is not None:
                 generation.task.cancel()
@@ -329,26 +361,20 @@ class WsConnection:
             message = self.parse(frame)
             if isinstance(message.get("id"), str) and len(message["id"]) <= MAX_IDENTIFIER_LENGTH:
                 message_id = message["id"]
-            kind = _string_field(message, "type")
-            if kind == "generate":
-                self.start_generation(message)
-            elif kind == "cancel":
-                self.cancel(message)
-            elif kind == "session.start":
-                await self.send(self.start_session(message))
-            elif kind == "session.end":
-                await self.send(self.end_session(message))
-            elif kind == "auth":
+            request = decode_frame(message)
+            if isinstance(request, Generate):
+                await self.start_generation(request, message)
+            elif isinstance(request, Cancel):
+                self.cancel(request)
+            elif isinstance(request, SessionStart):
+                await self.send(self.start_session(request))
+            elif isinstance(request, SessionEnd):
+                await self.send(self.end_session(request))
+            else:
                 if self.state.settings.api_keys:
                     raise _conflict("type", "This socket is already authenticated.",
                                     "already_authenticated")  # fmt: skip
                 await self.send(self.ready())  # no keys: nothing to check
-            else:
-                raise invalid_value(
-                    "type",
-                    f"Unknown message type {kind!r}; expected one of 'generate', 'cancel', "
-                    "'session.start', 'session.end', 'auth'.",
-                )
         except ApiError as exc:
             # A duplicate id is the running generation's: an error carrying it would read as
             # that generation's end.
@@ -361,8 +387,8 @@ class WsConnection:
 
     # ------------------------------------------------------------------ sessions
 
-    def start_session(self, message: dict[str, Any]) -> SessionStarted:
-        name = _optional_string_field(message, "session") or f"sess-{secrets.token_hex(6)}"
+    def start_session(self, request: SessionStart) -> SessionStarted:
+        name = request.session or f"sess-{secrets.token_hex(6)}"
         if name in self.sessions:
             raise _conflict("session", f"Session {name!r} already exists.", "session_exists")
         if len(self.sessions) >= MAX_SESSIONS_PER_SOCKET:
@@ -370,26 +396,22 @@ class WsConnection:
                 "session",
                 f"A socket holds at most {MAX_SESSIONS_PER_SOCKET} sessions; end one first.",
             )
-        policy = _optional_string_field(message, "eviction_policy")
+        policy = request.eviction_policy
         if policy is not None and policy not in EVICTION_POLICIES:
             raise invalid_value(
                 "eviction_policy",
                 f"'eviction_policy' must be one of {', '.join(EVICTION_POLICIES)}.",
             )
-        kv_tokens = message.get("kv_tokens")
-        if kv_tokens is not None and (type(kv_tokens) is not int or kv_tokens < 1):
-            raise invalid_value("kv_tokens", "'kv_tokens' must be a positive integer.")
-        self.sessions[name] = ChatSession(name, eviction_policy=policy, kv_tokens=kv_tokens)
+        self.sessions[name] = ChatSession(name, eviction_policy=policy, kv_tokens=request.kv_tokens)
         return SessionStarted(session=name)
 
-    def end_session(self, message: dict[str, Any]) -> SessionEnded:
+    def end_session(self, request: SessionEnd) -> SessionEnded:
         """Forget the history; a turn still in flight finishes without being recorded."""
-        name = _string_field(message, "session")
-        session = self.sessions.pop(name, None)
+        session = self.sessions.pop(request.session, None)
         if session is None:
-            raise _not_found("session", f"No session {name!r} on this socket.")
+            raise _not_found("session", f"No session {request.session!r} on this socket.")
         self._unpin(session)
-        return SessionEnded(session=name)
+        return SessionEnded(session=request.session)
 
     def _unpin(self, session: ChatSession) -> None:
         """The session's pinned KV goes back to the prefix cache (reclaimable)."""
@@ -399,25 +421,23 @@ class WsConnection:
 
     # ------------------------------------------------------------------ generations
 
-    def cancel(self, message: dict[str, Any]) -> None:
+    def cancel(self, request: Cancel) -> None:
         """Abort a generation; its task then sends `done` with finish_reason "abort"."""
-        generation_id = _string_field(message, "id")
-        generation = self.generations.get(generation_id)
+        generation = self.generations.get(request.id)
         if generation is None:
-            raise _not_found("id", f"No generation {generation_id!r} is in flight.")
-        for stream in generation.streams:
+            raise _not_found("id", f"No generation {request.id!r} is in flight.")
+        for stream in generation.admitted.streams:
             stream.abort()
 
-    def start_generation(self, message: dict[str, Any]) -> None:
+    async def start_generation(self, request: Generate, message: dict[str, Any]) -> None:
         """Validate and admit at once (refusals raise here), then stream from a task."""
-        generation_id = _string_field(message, "id")
-        if generation_id in self.generations:
-            raise _conflict("id", f"A generation with id {generation_id!r} is already in "
+        if request.id in self.generations:
+            raise _conflict("id", f"A generation with id {request.id!r} is already in "
                             "flight.", "duplicate_id")  # fmt: skip
-        session = self._session_for(message)
+        session = self._session_for(request.session)
         body = {k: v for k, v in message.items() if k not in _ENVELOPE}
         body["stream"] = True  # implied; usage always comes with `done`
-        is_chat = self._is_chat(message, body)
+        is_chat = self._is_chat(request.endpoint, body)
         new_messages: list[dict[str, Any]] = []
         if session is not None:
             if not is_chat:
@@ -428,15 +448,19 @@ class WsConnection:
         req = decode_chat_completion_request(body) if is_chat else decode_completion_request(body)
         if session is not None and req.num_choices != 1:
             raise invalid_value("n", "A session turn has exactly one choice (n = 1).")
-        generation = self._admit(generation_id, req, session)
         if session is not None:
-            session.busy = True
-            generation.session, generation.new_messages = session, new_messages
-        self.generations[generation_id] = generation
+            session.busy = True  # before admission awaits: no second turn slips in
+        try:
+            admitted = await self._admit(req, session)
+        except BaseException:
+            if session is not None:
+                session.busy = False
+            raise
+        generation = Generation(request.id, is_chat, req, admitted, session, new_messages)
+        self.generations[request.id] = generation
         generation.task = asyncio.create_task(self.run(generation))
 
-    def _session_for(self, message: dict[str, Any]) -> ChatSession | None:
-        name = _optional_string_field(message, "session")
+    def _session_for(self, name: str | None) -> ChatSession | None:
         if name is None:
             return None
         session = self.sessions.get(name)
@@ -448,45 +472,35 @@ class WsConnection:
         return session
 
     @staticmethod
-    def _is_chat(message: dict[str, Any], body: dict[str, Any]) -> bool:
-        endpoint = message.get("endpoint")
+    def _is_chat(endpoint: str | None, body: dict[str, Any]) -> bool:
         if endpoint is None:
             if "messages" in body:
                 return True
             if "prompt" in body:
                 return False
             raise _missing("messages")
-        if endpoint not in ("chat", "completions"):
-            raise invalid_value("endpoint", "'endpoint' must be 'chat' or 'completions'.")
         return endpoint == "chat"
 
-    def _admit(
+    async def _admit(
         self,
-        generation_id: str,
         req: ChatCompletionRequest | CompletionRequest,
         session: ChatSession | None = None,
-    ) -> Generation:
+    ) -> Admitted:
         """Tokenize, check against the context, and submit every prompt x n choices."""
-        service = self.service
-        if isinstance(req, ChatCompletionRequest):
-            is_chat, prompts, echo_texts = True, [service.prepare_chat(req)], [""]
-        else:
-            is_chat, prompts = False, service.prepare_completion(req)
-            echo_texts = [p.text if req.echo else "" for p in prompts]
         identity: Identity = identity_for(self.key_tenant, req.user, self.connection_id)
+        if isinstance(req, CompletionRequest):
+            return await self.service.start_completion(req, identity)
         if session is not None:  # its KV stays pinned between turns
             key = f"{self.connection_id}/{session.name}"
             identity = replace(identity, kv_session=key)
             if session.pinned_as not in (None, (identity.tenant, key)):
                 self._unpin(session)  # the tenant changed (`user`): the old pin goes
             session.pinned_as = (identity.tenant, key)
-        streams = service.submit(
-            prompts, req.num_choices, identity, priority=req.priority or 0,
-            cache_salt=req.cache_salt,
+        return await self.service.start_chat(
+            req, identity,
             eviction_policy=session.eviction_policy if session else None,
             kv_tokens=session.kv_tokens if session else None,
         )  # fmt: skip
-        return Generation(generation_id, is_chat, req, streams, req.num_choices, echo_texts)
 
     async def run(self, generation: Generation) -> None:
         """Stream one generation, then send `done` (or `error`)."""
@@ -507,24 +521,25 @@ class WsConnection:
     async def _stream(self, generation: Generation) -> Done:
         """Send the deltas; record a session turn; the `done` event to end with."""
         gid = generation.id
-        choices = [ChoiceState(i) for i in range(len(generation.streams))]
-        for i in range(len(choices)):
-            if echo := generation.echo_texts[i // generation.n]:
-                await self.send(Delta(id=gid, choice=i, text=echo))
-        async for index, out in self.service.merged(generation.streams):
-            offsets = choices[index].add(out)
-            logprobs = self._logprobs(generation, out.logprobs or [], offsets)
-            if out.new_text or logprobs is not UNSET:
-                await self.send(Delta(id=gid, choice=index, text=out.new_text,
-                                      logprobs=logprobs))  # fmt: skip
-        reasons = [c.finish_reason.value if c.finish_reason else "stop" for c in choices]
+        events = []
+        async for event in self.service.events(generation.admitted):
+            events.append(event)
+            if isinstance(event, TextDelta):
+                logprobs = self._logprobs(generation, event)
+                if event.text or logprobs is not UNSET:
+                    await self.send(Delta(id=gid, choice=event.choice, text=event.text,
+                                          logprobs=logprobs))  # fmt: skip
+            elif isinstance(event, ToolCallDelta):
+                await self.send(Delta(id=gid, choice=event.choice, text="",
+                                      tool_calls=[tool_call_chunk(event)]))  # fmt: skip
+        folded = fold(events, len(generation.admitted.streams))
+        reasons = [c.finish_reason for c in folded.choices]
         session = generation.session
         if session is not None and reasons[0] != "abort":
-            reply = {"role": "assistant", "content": "".join(choices[0].text)}
-            session.history += [*generation.new_messages, reply]
+            session.history += [*generation.new_messages, _reply_message(folded)]
         return Done(
-            id=gid, finish_reason=reasons[0], finish_reasons=reasons,
-            usage=usage_of(choices, generation.n),
+            id=gid, finish_reason=reasons[0], finish_reasons=list(reasons),
+            usage=openai_usage(folded.usage),
             session=session.name if session is not None else UNSET,
         )  # fmt: skip
 
@@ -535,16 +550,31 @@ class WsConnection:
             generation.session.busy = False
 
     def _logprobs(
-        self, generation: Generation, entries: list, offsets: list[int]
+        self, generation: Generation, event: TextDelta
     ) -> ChatLogprobs | CompletionLogprobs | UnsetType:
         req = generation.request
-        if generation.is_chat:
+        if event.echo:
+            return UNSET
+        if isinstance(req, ChatCompletionRequest):
             if not req.logprobs:
                 return UNSET
-            return chat_logprobs(entries, self.service.token_text, self.service.token_bytes)
+            return chat_logprobs(event.logprobs, self.service.token_text, self.service.token_bytes)
         if req.logprobs is None:
             return UNSET
-        return completion_logprobs(entries, self.service.token_text, offsets)
+        return completion_logprobs(event.logprobs, self.service.token_text, event.text_offsets)
+
+
+def _reply_message(folded: FoldedGeneration) -> dict[str, Any]:
+    """The assistant message a session's history keeps for choice 0's reply."""
+    reply = folded.choices[0]
+    message: dict[str, Any] = {"role": "assistant", "content": reply.text or None}
+    if reply.tool_calls:
+        message["tool_calls"] = [
+            msgspec.to_builtins(tool_call_response(call)) for call in reply.tool_calls
+        ]
+    elif message["content"] is None:
+        message["content"] = ""
+    return message
 
 
 @websocket("/v1/ws")

@@ -8,6 +8,7 @@ import structlog
 
 from app.generation import GenerationService
 from app.settings import Settings
+from compat.structured import JsonStyle
 from engine.async_engine import AsyncEngine
 from engine.backends import create_backend
 from engine.device import resolve_device, resolve_dtype
@@ -54,11 +55,19 @@ def build_server_state(settings: Settings, created: int) -> ServerState:
     async_engine = AsyncEngine(build_engine, metrics_max_tenants=settings.METRICS_MAX_TENANTS)
     async_engine.start()
     engine = async_engine.engine
+    # Structured outputs need the tokenizer's grammar data (seconds to build): on a worker
+    # thread now rather than in the first such request.
+    engine.grammars.warm_up()
     service = GenerationService(
         async_engine,
         engine.model_id,
         eviction_policy=settings.EVICTION_POLICY,
         session_kv_tokens=settings.SESSION_KV_TOKENS,
+        json_style=JsonStyle(
+            settings.STRUCTURED_OUTPUT_WHITESPACE,
+            closed_objects=settings.STRUCTURED_OUTPUT_EXTRA_PROPERTIES == "forbid",
+        ),
+        max_tool_calls=settings.MAX_TOOL_CALLS,
     )
     log.info(
         "engine ready",

@@ -61,6 +61,14 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     MAX_IDLE_TENANTS: Annotated[int, msgspec.Meta(ge=0)] = 1024
     METRICS_MAX_TENANTS: Annotated[int, msgspec.Meta(ge=1)] = 64
     PREFIX_CACHING: bool = True
+    # Structured outputs' JSON (response_format, structured_outputs, forced tool calls), see
+    # compat/structured.py: "compact" allows no whitespace outside strings, "flexible" any;
+    # "forbid" closes object schemas that list properties to other keys unless they say,
+    # "allow" keeps JSON Schema's default. A small model fills whatever room it is given.
+    STRUCTURED_OUTPUT_WHITESPACE: Literal["compact", "flexible"] = "compact"
+    STRUCTURED_OUTPUT_EXTRA_PROPERTIES: Literal["forbid", "allow"] = "forbid"
+    # The most tool calls in one reply forced by tool_choice "required" with parallel calls on.
+    MAX_TOOL_CALLS: Annotated[int, msgspec.Meta(ge=1)] = 4
     API_KEYS: str = ""  # comma-separated keys or name:key pairs; empty: no auth
     # With API_KEYS: "keys" also requires a key for /metrics, /api/metrics and the dashboard's
     # data; "none" leaves them open, as vLLM leaves /metrics.

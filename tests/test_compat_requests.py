@@ -376,22 +376,10 @@ def test_completion_prompt_is_required():
 @pytest.mark.parametrize(
     "fields, param, code",
     [
-        (
-            {"tools": [{"type": "function", "function": {"name": "f"}}]},
-            "tools",
-            "unsupported_parameter",
-        ),
-        ({"tool_choice": "auto"}, "tool_choice", "unsupported_value"),
-        (
-            {"tool_choice": {"type": "function", "function": {"name": "f"}}},
-            "tool_choice",
-            "unsupported_parameter",
-        ),
         ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
         ({"function_call": "auto"}, "function_call", "unsupported_value"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "unsupported_parameter"),
         ({"modalities": ["text", "audio"]}, "modalities", "unsupported_value"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_value"),
         (
             {"prediction": {"type": "content", "content": "x"}},
             "prediction",
@@ -448,14 +436,9 @@ def test_completion_prompt_is_required():
             "unsupported_value",
         ),
         (
-            {"messages": [*USER_HI, {"role": "tool", "content": "42", "tool_call_id": "c"}]},
+            {"messages": [*USER_HI, {"role": "function", "content": "42", "name": "f"}]},
             "messages[1].role",
             "unsupported_value",
-        ),
-        (
-            {"messages": [*USER_HI, {"role": "assistant", "tool_calls": [{"id": "c"}]}]},
-            "messages[1].tool_calls",
-            "unsupported_parameter",
         ),
         ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),
     ],
@@ -467,15 +450,22 @@ def test_chat_unsupported_parameters_are_refused_by_name(fields, param, code):
 
 
 def test_unsupported_messages_are_exact():
-    err = refused(decode_chat_completion_request, chat(tools=[{"type": "function"}]))
+    err = refused(decode_chat_completion_request, chat(functions=[{"name": "f"}]))
     assert err.message == (
-        "Unsupported parameter: 'tools' is not supported by this server: "
-        "tool calling is not available."
+        "Unsupported parameter: 'functions' is not supported by this server: "
+        "the legacy function calling is not available; use tools."
     )
     err = refused(decode_chat_completion_request, chat(response_format={"type": "json_schema"}))
+    assert err.message == "Missing required parameter: 'response_format.json_schema'."
+    err = refused(decode_chat_completion_request, chat(response_format={"type": "xml"}))
+    assert (err.param, err.code) == ("response_format.type", "invalid_value")
+    err = refused(
+        decode_chat_completion_request,
+        chat(structured_outputs={"regex": "a+", "choice": ["a"]}),
+    )
     assert err.message == (
-        "Unsupported value: 'response_format' does not support 'json_schema' on this server: "
-        "structured output is not available; only {'type': 'text'} is accepted."
+        "'structured_outputs' takes exactly one of 'json', 'regex', 'choice', 'grammar' or "
+        "'json_object'; got regex, choice."
     )
     err = refused(decode_chat_completion_request, chat(top_logprobs=2, logprobs=False))
     assert err.message == "'top_logprobs' requires 'logprobs' to be true."
@@ -551,9 +541,14 @@ def test_tokenize_requests():
     err = refused(decode_tokenize_request, b"{}")
     assert err.param == "prompt"
     err = refused(
-        decode_tokenize_request, json.dumps({"messages": [{"role": "tool", "content": "x"}]})
+        decode_tokenize_request, json.dumps({"messages": [{"role": "function", "content": "x"}]})
     )
     assert err.param == "messages[0].role"
+    err = refused(
+        decode_tokenize_request,
+        json.dumps({"messages": [{"role": "tool", "content": "x", "tool_call_id": "c"}]}),
+    )
+    assert err.param == "messages[0].tool_call_id"
 
 
 def test_detokenize_requests():

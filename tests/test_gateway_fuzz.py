@@ -104,7 +104,30 @@ SHAPES = [
         {"model": MODEL_ID, "messages": [{"role": "user", "content": []}]},
         {"model": MODEL_ID, "messages": [{"role": "user", "content": "x", "extra": 1}]},
         {"messages": [{"role": "user", "content": "x"}]},
-        {"model": MODEL_ID, "messages": [{"role": "tool", "content": "x"}]},
+        {"model": MODEL_ID, "messages": [{"role": "function", "content": "x", "name": "f"}]},
+        {
+            "model": MODEL_ID,
+            "messages": [
+                {"role": "user", "content": "x"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "{}"},
+                        }
+                    ],
+                },
+                {"role": "tool", "content": "1", "tool_call_id": "c"},
+            ],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+            "parallel_tool_calls": False,
+        },
+        chat_body(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="maybe"),
+        chat_body(tools=[{"type": "custom", "custom": {"name": "f"}}]),
         {"model": MODEL_ID, "messages": [{"role": "user", "content": "x", "tool_calls": []}]},
         {"model": MODEL_ID, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
         {
