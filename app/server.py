@@ -66,6 +66,9 @@ def build_server_state(settings: Settings, created: int) -> ServerState:
         json_style=JsonStyle(
             settings.STRUCTURED_OUTPUT_WHITESPACE,
             closed_objects=settings.STRUCTURED_OUTPUT_EXTRA_PROPERTIES == "forbid",
+            fraction_digits=None
+            if settings.STRUCTURED_OUTPUT_FRACTION_DIGITS < 0
+            else settings.STRUCTURED_OUTPUT_FRACTION_DIGITS,
         ),
         max_tool_calls=settings.MAX_TOOL_CALLS,
     )

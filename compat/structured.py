@@ -16,12 +16,15 @@ invents keys until `max_tokens`. So by default (`JsonStyle`):
 - an object schema that lists `properties` and says nothing of `additionalProperties` allows no
   other keys (`closed_objects`; STRUCTURED_OUTPUT_EXTRA_PROPERTIES=allow, or a request's
   `structured_outputs.disable_additional_properties: false`, keeps JSON Schema's default of
-  allowing them). A strict `json_schema` and a function's parameters are always closed.
+  allowing them). A strict `json_schema` and a function's parameters are always closed;
+- a number has at most 6 digits after its point unless its schema gives a `multipleOf`
+  (`bounded_fractions`; STRUCTURED_OUTPUT_FRACTION_DIGITS sets how many).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Annotated, Any
 
@@ -76,6 +79,7 @@ class JsonStyle:
 
     whitespace: Whitespace = "compact"
     closed_objects: bool = True
+    fraction_digits: int | None = 6  # the most digits after a number's point; None: any
 
 
 @dataclass(frozen=True)
@@ -92,31 +96,57 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 
 
+def _each_schema(schema: Any, change: Callable[[dict[str, Any]], None]) -> Any:
+    """A copy of `schema` with `change` applied to it and every schema inside it (never to
+    data such as `default` or `enum`); the caller's schema is left as it is."""
+    if not isinstance(schema, dict):
+        return schema
+    copy = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in schema:
+            copy[key] = _each_schema(schema[key], change)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            copy[key] = [_each_schema(sub, change) for sub in schema[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            copy[key] = {name: _each_schema(sub, change) for name, sub in schema[key].items()}
+    change(copy)
+    return copy
+
+
+def _close(schema: dict[str, Any]) -> None:
+    if isinstance(schema.get("properties"), dict):
+        schema.setdefault("additionalProperties", False)
+
+
 def closed_objects(schema: Any) -> Any:
     """A copy of `schema` where every object schema that lists `properties` and says nothing of
     `additionalProperties` allows no others: OpenAI's strict mode, and what a function's
     parameters mean. Left open, a small model fills the object with keys of its own."""
-    if not isinstance(schema, dict):
-        return schema
-    closed = dict(schema)
-    for key in _SUBSCHEMA:
-        if key in schema:
-            closed[key] = closed_objects(schema[key])
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(schema.get(key), list):
-            closed[key] = [closed_objects(sub) for sub in schema[key]]
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
-            closed[key] = {name: closed_objects(sub) for name, sub in schema[key].items()}
-    if isinstance(schema.get("properties"), dict):
-        closed.setdefault("additionalProperties", False)
-    return closed
+    return _each_schema(schema, _close)
+
+
+def bounded_fractions(schema: Any, digits: int) -> Any:
+    """A copy of `schema` where a number without `multipleOf` has at most `digits` digits after
+    the decimal point: `minimum` and `maximum` bound a number's value, not its length, and a
+    small model can write digits until `max_tokens`."""
+
+    def bound(sub: dict[str, Any]) -> None:
+        kinds = sub.get("type")
+        is_number = kinds == "number" or (isinstance(kinds, list) and "number" in kinds)
+        if is_number and "multipleOf" not in sub:
+            sub["multipleOf"] = 10**-digits if digits else 1
+
+    return _each_schema(schema, bound)
 
 
 def json_schema_grammar(schema: dict[str, Any], style: JsonStyle, param: str) -> GrammarRequest:
     """The schema's key order is kept: its properties' order is the output's."""
     if style.closed_objects:
         schema = closed_objects(schema)
+    if style.fraction_digits is not None:
+        schema = bounded_fractions(schema, style.fraction_digits)
     return GrammarRequest(GrammarSpec.json_schema(schema, style.whitespace), param)
 
 

@@ -14,7 +14,9 @@ One call turns the logits of every sequence that needs a token this step into to
    the others get logit -inf. The row's stop tokens (its stop_token_ids, and EOS unless
    ignore_eos) are allowed exactly when the grammar is complete, whatever the grammar calls
    EOS: a chat row ends on <end_of_turn>, say. Rows without a grammar pay nothing for this
-   step, and a batch without any pays nothing at all;
+   step, and a batch without any pays nothing at all. A row that chooses from its whole
+   distribution first chooses without the mask and keeps a token the grammar allows, which
+   is exact (Sampler._constrain): the mask is computed only for the rows it changes;
 6. greedy rows (temperature below 1e-5) take the argmax; the others divide by temperature,
    softmax, then keep top-k, then top-p of the renormalized top-k distribution (the smallest
    set of most likely tokens whose mass reaches top_p; the most likely token alone at top_p 0),
@@ -26,8 +28,9 @@ logits as given, before any of the steps above, so they do not depend on samplin
 
 Randomness: a draw needs one uniform number u per row, used by inverse-CDF sampling over the
 kept tokens in token-id order. A seeded row takes u from a generator keyed by (seed, step),
-so its token depends only on its own logits, parameters and step -- never on the other rows
-of the batch or the batch size; and a recomputed step draws the same token.
+(and the draw, for a grammar's retry), so its token depends only on its own logits,
+parameters and step -- never on the other rows of the batch or the batch size; and a
+recomputed step draws the same token.
 Unseeded rows take u from torch's global generator.
 """
 
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,7 +47,12 @@ import torch.nn.functional as F
 from engine.request import Sequence as EngineSequence
 from engine.request import TokenLogprob
 from engine.sampling import SamplingParams
-from engine.structured.bitmask import apply_bitmask_rows, bitmask_words, set_bits
+from engine.structured.bitmask import (
+    allowed_tokens,
+    apply_bitmask_rows,
+    bitmask_words,
+    set_bits,
+)
 
 if TYPE_CHECKING:
     from engine.structured.compiler import GrammarMatcher
@@ -58,6 +66,9 @@ _LOGIT_LIMIT = torch.finfo(torch.float32).max * _GREEDY_TEMPERATURE
 # candidate set grows by _CANDIDATE_GROWTH until it covers every nucleus: exact either way.
 _TOP_P_CANDIDATES = 1024
 _CANDIDATE_GROWTH = 8
+# A grammar's retry chooses among the allowed tokens alone when there are at most this many,
+# instead of masking and scanning the whole vocabulary (Sampler._constrain).
+_SPARSE_CHOICE = 4096
 # Columns per block of the two-level inverse CDF (see _inverse_cdf).
 _CDF_BLOCK = 1024
 
@@ -71,6 +82,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     step: int  # tokens already generated; keys the seeded draw and min_tokens
     grammar: GrammarMatcher | None = None  # the row's output constraint, read-only here
+    draw: int = 0  # which draw of this step: a retry's randomness is independent of the first
 
     @classmethod
     def from_sequence(cls, seq: EngineSequence) -> SamplingRow:
@@ -121,26 +133,63 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         logits = logits.float()
         processed = self.adjust_logits(logits, rows)
-        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
-        if not constrained:
-            token_ids = self._choose(processed, rows)
-        else:
-            # Masked in place: in adjust_logits' copy if it made one, else in the caller's
-            # tensor, whose masked rows are put back before the logprobs read them.
-            saved = None
-            if processed is logits:
-                if len(constrained) == len(rows):
-                    processed = logits.clone()
-                else:
-                    saved = logits[_index(constrained, logits.device)]
-            try:
-                self.apply_grammars(processed, rows, constrained)
-                token_ids = self._choose(processed, rows)
-            finally:
-                if saved is not None:
-                    logits[_index(constrained, logits.device)] = saved
+        token_ids = self._choose(processed, rows)
+        if any(r.grammar is not None for r in rows):
+            self._constrain(processed, rows, token_ids)
         ids = token_ids.tolist()
         return SamplerOutput(ids, _logprobs(logits, rows, token_ids, ids))
+
+    def _constrain(
+        self, processed: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor
+    ) -> None:
+        """Step 5 for the rows with a grammar, given the tokens chosen without it (in place).
+
+        A row that chooses from its whole distribution (greedy, or temperature alone) keeps a
+        token its grammar allows: the greedy choice is then the masked argmax, and a draw is
+        a draw from the masked distribution by rejection sampling, whose retry below uses
+        fresh randomness (SamplingRow.draw). Only the rows whose token the grammar refuses,
+        and rows with top-k, top-p or min-p (whose kept set the mask changes), pay for a
+        mask: computing one takes milliseconds, checking a token microseconds.
+        """
+        ids = token_ids.tolist()
+        redo: list[int] = []
+        for i, row in enumerate(rows):
+            if row.grammar is None:
+                continue
+            if not _whole_distribution(row.params) or not self._allows(row, ids[i]):
+                redo.append(i)
+        if not redo:
+            return
+        retried = [replace(rows[i], draw=rows[i].draw + 1) for i in redo]
+        bitmask = self._grammar_bitmask(retried, processed.shape[1])
+        full: list[int] = []  # positions in `redo` that need the whole masked row
+        for j, (i, row) in enumerate(zip(redo, retried, strict=True)):
+            allowed = allowed_tokens(bitmask[j], processed.shape[1], _SPARSE_CHOICE)
+            if allowed is not None and len(allowed) and _whole_distribution(row.params):
+                token_ids[i] = _choose_among(processed[i], allowed, row)
+            else:
+                full.append(j)
+        if full:
+            index = _index([redo[j] for j in full], processed.device)
+            masked = processed[index]  # a copy: the caller's logits stay as they were
+            apply_bitmask_rows(masked, bitmask[full], list(range(len(full))))
+            token_ids[index] = self._choose(masked, [retried[j] for j in full])
+
+    def _allows(self, row: SamplingRow, token: int) -> bool:
+        """Whether step 5 would have kept `token` for `row` (which has a grammar)."""
+        assert row.grammar is not None
+        if token in self._stop_ids(row.params):
+            return row.grammar.is_accepting
+        if token in self.eos_token_ids:  # the grammar's EOS while EOS is ignored
+            return False
+        return row.grammar.allows(token)
+
+    def _stop_ids(self, params: SamplingParams) -> set[int]:
+        """The tokens that end a row's output: its stop ids, and EOS unless it is ignored."""
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self.eos_token_ids)
+        return stop_ids
 
     def _choose(self, processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Step 6: one token id per row of the processed logits."""
@@ -167,28 +216,28 @@ class Sampler:
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], constrained: list[int]
     ) -> None:
         """Step 5, in place, on the rows listed in `constrained` (each has a grammar)."""
+        bitmask = self._grammar_bitmask([rows[i] for i in constrained], logits.shape[1])
+        apply_bitmask_rows(logits, bitmask, constrained)
+
+    def _grammar_bitmask(self, rows: Sequence[SamplingRow], vocab: int) -> torch.Tensor:
+        """Row j: the tokens rows[j]'s grammar allows next, its stop tokens as step 5 says."""
         from engine.structured.compiler import fill_bitmasks
 
-        vocab = logits.shape[1]
-        bitmask = self._bitmask_buffer(len(constrained), bitmask_words(vocab))
-        matchers = [grammar for i in constrained if (grammar := rows[i].grammar) is not None]
-        if len(matchers) != len(constrained):
+        bitmask = self._bitmask_buffer(len(rows), bitmask_words(vocab))
+        matchers = [grammar for row in rows if (grammar := row.grammar) is not None]
+        if len(matchers) != len(rows):
             raise ValueError("every constrained row needs a grammar")
         fill_bitmasks(matchers, bitmask)
         words = bitmask.numpy()
-        for j, i in enumerate(constrained):
-            params = rows[i].params
-            stop_ids = set(params.stop_token_ids)
-            if not params.ignore_eos:
-                stop_ids.update(self.eos_token_ids)
-            stop_ids = {t for t in stop_ids if 0 <= t < vocab}
+        for j, row in enumerate(rows):
+            stop_ids = {t for t in self._stop_ids(row.params) if 0 <= t < vocab}
             if matchers[j].is_accepting:
                 set_bits(words[j], sorted(stop_ids), allowed=True)
                 # The grammar allows its own EOS ids once complete: not when EOS is ignored.
                 set_bits(words[j], sorted(set(self.eos_token_ids) - stop_ids), allowed=False)
             else:  # a stop id the grammar allows as text would end the output unfinished
                 set_bits(words[j], sorted(stop_ids), allowed=False)
-        apply_bitmask_rows(logits, bitmask, constrained)
+        return bitmask
 
     def _bitmask_buffer(self, rows: int, words: int) -> torch.Tensor:
         """A [rows, words] int32 scratch bitmask (contents undefined)."""
@@ -238,6 +287,26 @@ class Sampler:
             ban_rows, ban_cols = zip(*banned, strict=True)
             out[_index(ban_rows, device), _index(ban_cols, device)] = float("-inf")
         return out
+
+
+def _choose_among(logits: torch.Tensor, allowed: torch.Tensor, row: SamplingRow) -> int:
+    """Step 6 for one row that chooses from its whole distribution, over the `allowed` token
+    ids (ascending) only: the same choice as over the row masked to them, for the cost of
+    the few logits kept (a grammar often allows a handful of tokens)."""
+    kept = logits[allowed.to(logits.device)]
+    if row.params.temperature < _GREEDY_TEMPERATURE:
+        return int(allowed[_argmax(kept[None])[0]])
+    probs = torch.softmax(kept / row.params.temperature, dim=-1)
+    u = torch.tensor(_uniforms([row]), dtype=_uniform_dtype(logits.device), device=logits.device)
+    return int(allowed[_inverse_cdf(probs[None], u)[0]])
+
+
+def _whole_distribution(params: SamplingParams) -> bool:
+    """The row chooses from its whole (temperature-scaled) distribution: greedy, or no top-k,
+    top-p or min-p."""
+    return params.temperature < _GREEDY_TEMPERATURE or (
+        params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0
+    )
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -424,7 +493,8 @@ def _uniforms(rows: Sequence[SamplingRow]) -> list[float]:
             uniforms.append(next(fresh))
         else:
             # random.Random seeds from a str through SHA-512: the same in every process.
-            uniforms.append(random.Random(f"{r.params.seed}:{r.step}").random())
+            key = f"{r.params.seed}:{r.step}" + (f":{r.draw}" if r.draw else "")
+            uniforms.append(random.Random(key).random())
     return uniforms
 
 

@@ -30,7 +30,7 @@ from compat.response_types import (
     ToolCallResponse,
     make_usage,
 )
-from compat.structured import closed_objects
+from compat.structured import bounded_fractions, closed_objects
 from compat.tools import (
     NamedFunction,
     NamedToolChoice,
@@ -740,3 +740,26 @@ def test_closed_objects_closes_every_listed_object_and_nothing_else():
         },
     }
     assert "additionalProperties" not in schema  # the caller's schema is not changed
+
+
+def test_bounded_fractions_bounds_numbers_without_their_own_multiple():
+    schema = {
+        "type": "object",
+        "properties": {
+            "score": {"type": "number", "minimum": 0, "maximum": 10},
+            "price": {"type": "number", "multipleOf": 0.5},
+            "either": {"type": ["number", "null"]},
+            "count": {"type": "integer"},
+        },
+    }
+    bounded = bounded_fractions(schema, 2)
+    assert bounded["properties"] == {
+        "score": {"type": "number", "minimum": 0, "maximum": 10, "multipleOf": 0.01},
+        "price": {"type": "number", "multipleOf": 0.5},
+        "either": {"type": ["number", "null"], "multipleOf": 0.01},
+        "count": {"type": "integer"},
+    }
+    assert bounded_fractions(schema, 0)["properties"]["score"]["multipleOf"] == 1
+    jsonschema.validate({"score": 9.25}, bounded)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"score": 9.125}, bounded)

@@ -279,6 +279,39 @@ def test_stop_tokens_follow_the_grammar(loaded, compiler):
     assert out.token_ids == [END_OF_TURN, digit] and torch.equal(logits, before)
 
 
+def test_a_token_the_grammar_allows_is_kept_and_a_refused_one_redrawn(loaded, compiler):
+    """The sampler first chooses without the mask (Sampler._constrain): greedy rows must still
+    get the best allowed token, and sampled rows the masked distribution, computed here by
+    hand: a choice of two words whose first tokens have probabilities 1:3 once the token the
+    model prefers, which the grammar refuses, is masked."""
+    tokenizer = loaded.tokenizer
+    red, blue = (tokenizer(w, add_special_tokens=False).input_ids[0] for w in ("red", "blue"))
+    brace = tokenizer.convert_tokens_to_ids("{")
+    compiled = compiler.compile_sync(GrammarSpec.choice(["red", "blue"]))
+    vocab = shared_backend(loaded).vocab_size
+
+    def logits_for(rows: int, preferred: int) -> torch.Tensor:
+        logits = torch.full((rows, vocab), -30.0)
+        logits[:, red] = 0.0
+        logits[:, blue] = float(torch.log(torch.tensor(3.0)))
+        logits[:, preferred] = 12.0
+        return logits
+
+    greedy_params = SamplingParams(max_tokens=4, temperature=0.0)
+    for preferred, expected in ((brace, blue), (red, red)):
+        rows = [SamplingRow(greedy_params, [2], [], 0, compiled.matcher())]
+        assert Sampler([EOS]).sample(logits_for(1, preferred), rows).token_ids == [expected]
+
+    sampled = SamplingParams(max_tokens=4, temperature=1.0)
+    draws: list[int] = []
+    for _ in range(8):
+        rows = [SamplingRow(sampled, [2], [], 0, compiled.matcher()) for _ in range(50)]
+        draws += Sampler([EOS]).sample(logits_for(50, brace), rows).token_ids
+    assert set(draws) <= {red, blue}
+    share = draws.count(blue) / len(draws)  # 0.75 expected; 4 standard deviations: 0.087
+    assert abs(share - 0.75) < 0.087, share
+
+
 def test_matchers_are_dropped_on_abort(loaded, compiler):
     compiled = compiler.compile_sync(GrammarSpec.json_schema(PERSON))  # not done in one token
     seq = Sequence(encode(loaded, "JSON:"), greedy_params(50), grammar=compiled.matcher())

@@ -195,6 +195,59 @@ async def test_logprobs_come_in_the_endpoints_shape(ws: ClientConnection) -> Non
     assert "logprobs" not in next(m for m in messages if m["type"] == "done")
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+
+
+async def test_tool_calls_and_structured_outputs_over_the_socket(ws: ClientConnection) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    await send(ws, chat("call", "Weather in Paris?", max_tokens=60, tools=[WEATHER_TOOL],
+                        tool_choice=named))  # fmt: skip
+    await send(ws, completion("pick", "My favourite colour is", max_tokens=5,
+                              structured_outputs={"choice": ["red", "green", "blue"]}))  # fmt: skip
+    messages = await until_finished(ws, {"call", "pick"})
+    assert final(messages, "call")["finish_reason"] == "tool_calls"
+    parts = [c for m in messages if m["type"] == "delta" and m["id"] == "call"
+             for c in m.get("tool_calls", [])]  # fmt: skip
+    assert parts[0]["id"].startswith("call_") and parts[0]["function"]["name"] == "get_weather"
+    assert all("id" not in p and "name" not in p["function"] for p in parts[1:])
+    arguments = json.loads("".join(p["function"]["arguments"] for p in parts))
+    assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
+    assert len(arguments["city"]) <= 20
+    assert text_of(messages, "call") == ""
+    assert final(messages, "pick")["finish_reason"] == "stop"
+    assert text_of(messages, "pick") in ("red", "green", "blue")
+
+
+async def test_a_session_keeps_a_tool_call_turn_in_its_history(ws: ClientConnection) -> None:
+    await send(ws, {"type": "session.start", "session": "agent"})
+    assert (await recv(ws))["type"] == "session.started"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    await send(ws, chat("t1", "Weather in Paris?", max_tokens=60, session="agent",
+                        tools=[WEATHER_TOOL], tool_choice=named))  # fmt: skip
+    messages = await until_finished(ws, {"t1"})
+    [first] = [c for m in messages if m["type"] == "delta" for c in m.get("tool_calls", [])][:1]
+    # The next turn answers the call by its id: the server kept the assistant's tool call.
+    result = {"role": "tool", "tool_call_id": first["id"], "content": "18 degrees"}
+    await send(ws, {**chat("t2", "", max_tokens=4, session="agent", tools=[WEATHER_TOOL]),
+                    "messages": [result]})  # fmt: skip
+    done = final(await until_finished(ws, {"t2"}), "t2")
+    assert done["type"] == "done", done
+    assert done["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
 async def test_a_generation_id_in_flight_cannot_be_reused(ws: ClientConnection) -> None:
     await send(ws, completion("dup", "Hello", max_tokens=LONG, ignore_eos=True))
     await send(ws, completion("dup", "Hello again"))

@@ -60,6 +60,10 @@ class GrammarMatcher:
         view = _row(bitmask, row, self._words)
         self._matcher.unsafe_compute_mask_ptr(view.data_ptr(), self._words * 4)
 
+    def allows(self, token_id: int) -> bool:
+        """Whether the grammar allows `token_id` next (without advancing)."""
+        return self._matcher.validate_tokens([token_id]) == 1
+
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False if the grammar does not allow it (the matcher
         is then in an error state, see `error`)."""
