@@ -67,7 +67,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     # "allow" keeps JSON Schema's default. A small model fills whatever room it is given.
     STRUCTURED_OUTPUT_WHITESPACE: Literal["compact", "flexible"] = "compact"
     STRUCTURED_OUTPUT_EXTRA_PROPERTIES: Literal["forbid", "allow"] = "forbid"
-    # The most digits after a JSON number's point (a schema's own multipleOf wins); -1: any.
+    # The most digits after a JSON number's point (a schema's own multipleOf wins), and numbers
+    # without bounds kept within +-(2**53 - 1); -1 lifts both.
     STRUCTURED_OUTPUT_FRACTION_DIGITS: Annotated[int, msgspec.Meta(ge=-1)] = 6
     # The most tool calls in one reply forced by tool_choice "required" with parallel calls on.
     MAX_TOOL_CALLS: Annotated[int, msgspec.Meta(ge=1)] = 4

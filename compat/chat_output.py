@@ -41,6 +41,7 @@ class ChatOutputPlan:
     tool_name: str | None = None  # the named function
     tool_parser: ToolParser | None = None  # how `auto` finds calls in the text
     tool_names: tuple[str, ...] = ()  # the declared functions: calls to others are text
+    single_call: bool = False  # parallel_tool_calls false: `auto` keeps the first call only
 
 
 def plan_chat_output(
@@ -54,7 +55,10 @@ def plan_chat_output(
         return ChatOutputPlan(grammar)
     if choice == "auto":
         names = tuple(tool.function.name for tool in req.tools or [])
-        return ChatOutputPlan(grammar, "auto", tool_parser=tool_parser, tool_names=names)
+        return ChatOutputPlan(
+            grammar, "auto", tool_parser=tool_parser, tool_names=names,
+            single_call=req.parallel_tool_calls is False,
+        )  # fmt: skip
     if grammar is not None:
         raise invalid_value(
             "tool_choice",
@@ -120,7 +124,7 @@ class ChoiceOutput:
             if isinstance(piece, str):
                 events.append(TextDelta(self.choice, piece, logprobs, offsets))
                 logprobs, offsets = (), ()
-            else:
+            elif not (self.plan and self.plan.single_call and piece.index > 0):
                 events.append(self._call_event(piece))
         if logprobs:
             events.append(TextDelta(self.choice, "", logprobs, offsets))

@@ -17,8 +17,9 @@ invents keys until `max_tokens`. So by default (`JsonStyle`):
   other keys (`closed_objects`; STRUCTURED_OUTPUT_EXTRA_PROPERTIES=allow, or a request's
   `structured_outputs.disable_additional_properties: false`, keeps JSON Schema's default of
   allowing them). A strict `json_schema` and a function's parameters are always closed;
-- a number has at most 6 digits after its point unless its schema gives a `multipleOf`
-  (`bounded_fractions`; STRUCTURED_OUTPUT_FRACTION_DIGITS sets how many).
+- a number has at most 6 digits after its point unless its schema gives a `multipleOf`, and a
+  number or integer without bounds stays within +-(2**53 - 1) (`bounded_numbers`;
+  STRUCTURED_OUTPUT_FRACTION_DIGITS sets how many digits, -1 lifts both).
 """
 
 from __future__ import annotations
@@ -127,16 +128,27 @@ def closed_objects(schema: Any) -> Any:
     return _each_schema(schema, _close)
 
 
-def bounded_fractions(schema: Any, digits: int) -> Any:
+# A number without bounds stays within the integers a double holds exactly (JavaScript's
+# safe integers), which every JSON parser reads without loss.
+_SAFE_MIN, _SAFE_MAX = -(2**53 - 1), 2**53 - 1
+
+
+def bounded_numbers(schema: Any, digits: int) -> Any:
     """A copy of `schema` where a number without `multipleOf` has at most `digits` digits after
-    the decimal point: `minimum` and `maximum` bound a number's value, not its length, and a
-    small model can write digits until `max_tokens`."""
+    the decimal point, and a number or integer without `minimum` / `maximum` stays within
+    +-(2**53 - 1): bounds on a value do not bound its length, and a small
+    model can write digits until `max_tokens`."""
 
     def bound(sub: dict[str, Any]) -> None:
         kinds = sub.get("type")
-        is_number = kinds == "number" or (isinstance(kinds, list) and "number" in kinds)
-        if is_number and "multipleOf" not in sub:
+        kinds = kinds if isinstance(kinds, list) else [kinds]
+        if "number" in kinds and "multipleOf" not in sub:
             sub["multipleOf"] = 10**-digits if digits else 1
+        if "number" in kinds or "integer" in kinds:
+            if "minimum" not in sub and "exclusiveMinimum" not in sub:
+                sub["minimum"] = _SAFE_MIN
+            if "maximum" not in sub and "exclusiveMaximum" not in sub:
+                sub["maximum"] = _SAFE_MAX
 
     return _each_schema(schema, bound)
 
@@ -146,7 +158,7 @@ def json_schema_grammar(schema: dict[str, Any], style: JsonStyle, param: str) ->
     if style.closed_objects:
         schema = closed_objects(schema)
     if style.fraction_digits is not None:
-        schema = bounded_fractions(schema, style.fraction_digits)
+        schema = bounded_numbers(schema, style.fraction_digits)
     return GrammarRequest(GrammarSpec.json_schema(schema, style.whitespace), param)
 
 

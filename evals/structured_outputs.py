@@ -17,12 +17,16 @@ maxLength, maxItems, numeric bounds), each with `response_format: {"type": "json
 and validate against its schema (jsonschema); one that does not is a failure, as is an HTTP error.
 Every engine gets the same schemas, prompts and seeds.
 
-Speed: `--users` 16 closed-loop streaming users for `--seconds` each in three phases: every
-request unconstrained, every request constrained by `--speed-schema`, and half the users
-constrained, half not. Output tok/s is all completion tokens over the wall time (requests
-re-issued as each finishes; those in flight at the deadline count in full), overall and per
-class; TPOT p50/p95 per class is the cleaner per-token cost (a constrained reply ends when its
-JSON does, so it spends a larger share of its time in prefill).
+Speed: `--users` 16 closed-loop streaming users for `--seconds` each in four phases: every
+request unconstrained, every request constrained by `--speed-schema`, half the users
+constrained and half not, and a control of that mix without a grammar (the constrained half
+sending unconstrained requests as long as the constrained replies were, ignore_eos): short
+replies mean more prefills in every step, and the control holds that churn equal, so the
+mixed phase's unconstrained half against the control's is what its neighbours' grammars cost.
+Output tok/s is all completion tokens over the wall time (requests re-issued as each finishes;
+those in flight at the deadline count in full), overall and per class; TPOT p50/p95 per class
+is the cleaner per-token cost (a constrained reply ends when its JSON does, so it spends a
+larger share of its time in prefill).
 
 Writes evals/results/structured_outputs.{json,png} (or `--out` and its .png) and prints Markdown
 tables naming the CPU and each engine's mode.
@@ -38,7 +42,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -444,11 +448,13 @@ async def stream_chat(client: httpx.AsyncClient, base: str, body: dict) -> Timed
 
 async def run_phase(
     base: str, model: str, constrained_users: list[bool], seconds: float, schema: str,
-    max_tokens: int, seed: int, extra: dict,
+    max_tokens: int, seed: int, extra: dict, stand_in_tokens: int | None = None,
 ) -> Phase:  # fmt: skip
     """Closed loop: user u sends its next request as soon as its last one finished, constrained
     by `schema` when constrained_users[u]; users stop starting requests after `seconds`, and the
-    elapsed time runs to the last completion (as harness.closed_loop)."""
+    elapsed time runs to the last completion (as harness.closed_loop). With `stand_in_tokens`,
+    the constrained users send unconstrained requests of exactly that many tokens instead
+    (ignore_eos), counted in the constrained class: the same churn without a grammar."""
     prompts = SCHEMAS[schema][1]
     phase = Phase()
     limits = httpx.Limits(max_connections=len(constrained_users) + 4)
@@ -460,13 +466,17 @@ async def run_phase(
             k = 0
             while time.perf_counter() < deadline:
                 prompt = prompts[(u + k) % len(prompts)]
+                stand_in = constrained and stand_in_tokens is not None
                 body = request_body(
-                    model, prompt, schema if constrained else None, max_tokens,
-                    seed + 1000 * u + k, extra,
+                    model, prompt, schema if constrained and not stand_in else None,
+                    stand_in_tokens if stand_in else max_tokens, seed + 1000 * u + k, extra,
                 )  # fmt: skip
+                if stand_in:
+                    body["ignore_eos"] = True
                 k += 1
                 try:
-                    phase.timed.append(await stream_chat(client, base, body))
+                    timed = await stream_chat(client, base, body)
+                    phase.timed.append(replace(timed, constrained=constrained))
                 except httpx.HTTPError as exc:
                     phase.errors.append(_error_text(exc))
                     return
@@ -534,6 +544,15 @@ def speed_ratios(speed: dict[str, Any]) -> dict[str, float | None]:
         )
         ratios["mixed_constrained_vs_unconstrained_tpot_p50"] = _ratio(
             mixed["constrained"]["tpot_p50_s"], free["unconstrained"]["tpot_p50_s"]
+        )
+    control = speed.get("control")
+    if mixed and control:
+        # What the unconstrained half pays for its neighbours' grammars, churn held equal.
+        ratios["mixed_unconstrained_vs_control_tok_s_per_user"] = _ratio(
+            mixed["unconstrained"]["tok_s_per_user"], control["unconstrained"]["tok_s_per_user"]
+        )
+        ratios["mixed_unconstrained_vs_control_tpot_p50"] = _ratio(
+            mixed["unconstrained"]["tpot_p50_s"], control["unconstrained"]["tpot_p50_s"]
         )
     return ratios
 
@@ -702,9 +721,19 @@ def run_speed(base: str, model: str, args, extra: dict) -> dict[str, Any]:
         "unconstrained": [False] * users,
         "constrained": [True] * users,
         "mixed": [u % 2 == 0 for u in range(users)],
+        # The mixed phase's churn without a grammar: its constrained half replaced by
+        # unconstrained requests as long as the constrained phase's replies were.
+        "control": [u % 2 == 0 for u in range(users)],
     }
     speed: dict[str, Any] = {"schema": schema, "users": users, "seconds": args.seconds}
     for i, (name, constrained) in enumerate(phases.items()):
+        stand_in = None
+        if name == "control":
+            mean = (speed.get("constrained") or {}).get("constrained", {}).get("mean_output_tokens")
+            if not mean:
+                continue
+            stand_in = round(mean)
+            speed["control_tokens"] = stand_in
         if refused and any(constrained):
             speed[name] = {"skipped": f"constrained requests refused: {refused}"}
             print(f"  speed {name}: skipped ({refused[:120]})", flush=True)
@@ -712,7 +741,7 @@ def run_speed(base: str, model: str, args, extra: dict) -> dict[str, Any]:
         phase = asyncio.run(
             run_phase(
                 base, model, constrained, args.seconds, schema, args.speed_max_tokens,
-                args.seed + 100_000 * (i + 1), extra,
+                args.seed + 100_000 * (i + 1), extra, stand_in,
             )
         )  # fmt: skip
         speed[name] = summarize_phase(phase, constrained)
@@ -760,7 +789,7 @@ def markdown(results: dict[str, dict], header: str) -> str:
             "|---|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name, speed in speeds.items():
-            for phase in ("unconstrained", "constrained", "mixed"):
+            for phase in ("unconstrained", "constrained", "mixed", "control"):
                 s = speed.get(phase)
                 if not s:
                     continue
@@ -786,8 +815,10 @@ def markdown(results: dict[str, dict], header: str) -> str:
             "",
             "| engine | constrained / unconstrained tok/s | TPOT p50 constrained / "
             "unconstrained | mixed / unconstrained tok/s | mixed-unconstrained / unconstrained "
-            "tok/s per user | mixed-unconstrained / unconstrained TPOT p50 |",
-            "|---|---:|---:|---:|---:|---:|",
+            "tok/s per user | mixed-unconstrained / unconstrained TPOT p50 | mixed-unconstrained "
+            "/ control-unconstrained tok/s per user | mixed-unconstrained / "
+            "control-unconstrained TPOT p50 |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name, r in results.items():
             q = r.get("speed_ratios") or {}
@@ -798,7 +829,9 @@ def markdown(results: dict[str, dict], header: str) -> str:
                 f"| {_f(q.get('constrained_vs_unconstrained_tpot_p50'))} "
                 f"| {_f(q.get('mixed_overall_vs_unconstrained_tok_s'))} "
                 f"| {_f(q.get('mixed_unconstrained_vs_unconstrained_tok_s_per_user'))} "
-                f"| {_f(q.get('mixed_unconstrained_vs_unconstrained_tpot_p50'))} |"
+                f"| {_f(q.get('mixed_unconstrained_vs_unconstrained_tpot_p50'))} "
+                f"| {_f(q.get('mixed_unconstrained_vs_control_tok_s_per_user'))} "
+                f"| {_f(q.get('mixed_unconstrained_vs_control_tpot_p50'))} |"
             )
     return "\n".join(out)
 

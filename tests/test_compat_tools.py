@@ -30,7 +30,7 @@ from compat.response_types import (
     ToolCallResponse,
     make_usage,
 )
-from compat.structured import bounded_fractions, closed_objects
+from compat.structured import bounded_numbers, closed_objects
 from compat.tools import (
     NamedFunction,
     NamedToolChoice,
@@ -742,7 +742,7 @@ def test_closed_objects_closes_every_listed_object_and_nothing_else():
     assert "additionalProperties" not in schema  # the caller's schema is not changed
 
 
-def test_bounded_fractions_bounds_numbers_without_their_own_multiple():
+def test_bounded_numbers_bounds_numbers_without_their_own_multiple():
     schema = {
         "type": "object",
         "properties": {
@@ -752,14 +752,15 @@ def test_bounded_fractions_bounds_numbers_without_their_own_multiple():
             "count": {"type": "integer"},
         },
     }
-    bounded = bounded_fractions(schema, 2)
+    bounded = bounded_numbers(schema, 2)
+    safe = {"minimum": -(2**53 - 1), "maximum": 2**53 - 1}
     assert bounded["properties"] == {
         "score": {"type": "number", "minimum": 0, "maximum": 10, "multipleOf": 0.01},
-        "price": {"type": "number", "multipleOf": 0.5},
-        "either": {"type": ["number", "null"], "multipleOf": 0.01},
-        "count": {"type": "integer"},
+        "price": {"type": "number", "multipleOf": 0.5, **safe},
+        "either": {"type": ["number", "null"], "multipleOf": 0.01, **safe},
+        "count": {"type": "integer", **safe},
     }
-    assert bounded_fractions(schema, 0)["properties"]["score"]["multipleOf"] == 1
+    assert bounded_numbers(schema, 0)["properties"]["score"]["multipleOf"] == 1
     jsonschema.validate({"score": 9.25}, bounded)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"score": 9.125}, bounded)
