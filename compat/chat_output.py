@@ -121,8 +121,9 @@ class ChoiceOutput:
         events: list[Event] = []
         logprobs, offsets = event.logprobs, event.text_offsets
         for piece in pieces:
-            if isinstance(piece, str):
-                events.append(TextDelta(self.choice, piece, logprobs, offsets))
+            if isinstance(piece, ContentDelta):
+                # Its plain text: the wire encoders take a str, not a subclass of one.
+                events.append(TextDelta(self.choice, piece.text, logprobs, offsets))
                 logprobs, offsets = (), ()
             elif not (self.plan and self.plan.single_call and piece.index > 0):
                 events.append(self._call_event(piece))

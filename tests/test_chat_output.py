@@ -52,6 +52,8 @@ def test_auto_keeps_one_call_without_parallel_calls() -> None:
 def test_auto_text_that_is_no_call_is_content() -> None:
     plan = ChatOutputPlan(tool_mode="auto", tool_parser=PYTHONIC, tool_names=("f",))
     events = reshaped(plan, ["[not a call", " at all"])
+    # Plain strs, as the wire encoders (msgspec) need them.
+    assert all(type(e.text) is str for e in events if isinstance(e, TextDelta))
     [result] = fold(events, 1).choices
     assert (result.text, result.tool_calls, result.finish_reason) == (
         "[not a call at all",
