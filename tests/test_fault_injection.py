@@ -109,8 +109,12 @@ async def test_a_failed_step_is_an_error_frame_and_the_socket_goes_on(
     async with connect(url, proxy=None) as ws:
 
         async def generate(gid: str, content: str) -> dict[str, Any]:
-            """The generation's last frame (`done` or `error`)."""
-            message = chat_body(content, max_tokens=4) | {"type": "generate", "id": gid}
+            """The generation's last frame (`done` or `error`); exactly 4 tokens when it is
+            `done` (ignore_eos: a sampled reply may otherwise end at <end_of_turn>)."""
+            message = chat_body(content, max_tokens=4, ignore_eos=True) | {
+                "type": "generate",
+                "id": gid,
+            }
             await ws.send(json.dumps(message))
             while True:
                 frame = json.loads(await asyncio.wait_for(ws.recv(), 120))
