@@ -264,7 +264,7 @@ class GenerationService:
         if request is None:
             return None
         try:
-            return await self.engine.engine.grammars.compile(request.spec)
+            return await self.engine.grammars.compile(request.spec)
         except InvalidGrammar as exc:
             raise grammar_error(request.param, str(exc)) from None
 

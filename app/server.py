@@ -57,7 +57,7 @@ def build_server_state(settings: Settings, created: int) -> ServerState:
     engine = async_engine.engine
     # Structured outputs need the tokenizer's grammar data (seconds to build): on a worker
     # thread now rather than in the first such request.
-    engine.grammars.warm_up()
+    async_engine.grammars.warm_up()
     service = GenerationService(
         async_engine,
         engine.model_id,

@@ -89,12 +89,9 @@ class IncrementalDetokenizer:
         tokenizer: Decoder,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
-        *,
-        skip_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
         self._params = params
-        self._skip_special_tokens = skip_special_tokens
         self._tokens = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0  # window start: context for decoding the unread tokens
         self._read_offset = len(self._tokens)  # tokens before this are in self._text
@@ -145,7 +142,7 @@ class IncrementalDetokenizer:
 
     def _decode(self, start: int, end: int | None = None) -> str:
         text = self._tokenizer.decode(
-            self._tokens[start:end], skip_special_tokens=self._skip_special_tokens
+            self._tokens[start:end], skip_special_tokens=self._params.skip_special_tokens
         )
         assert isinstance(text, str)  # one list of ids decodes to one string
         return text

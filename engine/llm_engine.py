@@ -155,10 +155,7 @@ class LLMEngine:
             raise ValueError(f"sequence {seq.seq_id} was already added")
         # Created first: once the scheduler has seq, a step on the engine thread may sample it.
         self._detokenizers[seq.seq_id] = IncrementalDetokenizer(
-            self.tokenizer,
-            seq.prompt_token_ids,
-            seq.sampling,
-            skip_special_tokens=seq.sampling.skip_special_tokens,
+            self.tokenizer, seq.prompt_token_ids, seq.sampling
         )
         accepted = False
         try:
