@@ -28,19 +28,19 @@ def resolve_max_tokens(
     so a request that asked for no length is not refused for the length it was given."""
     is_chat = isinstance(request, ChatCompletionRequest)
     prompt_param = request.prompt_param
+    requested = (
+        request.requested_max_tokens
+        if isinstance(request, ChatCompletionRequest)
+        else request.max_tokens
+    )
     room = max_model_len - num_prompt_tokens
-    if room < 1:
+    if room < 1 and not (requested == 0 and room == 0):  # scoring a prompt needs no room
         raise context_length_exceeded(
             prompt_param,
             f"This model's maximum context length is {max_model_len} tokens, but the prompt "
             f"has {num_prompt_tokens} tokens, leaving no room for the completion. Please "
             f"reduce the length of the {prompt_param}.",
         )
-    requested = (
-        request.requested_max_tokens
-        if isinstance(request, ChatCompletionRequest)
-        else request.max_tokens
-    )
     max_param = request.max_tokens_param
     if requested is None:
         default = room if is_chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
@@ -106,10 +106,13 @@ def to_sampling_params(
         check_token_ids(stop_token_ids, vocab_size, "stop_token_ids")
     if not request.ignore_eos:
         stop_token_ids += [t for t in extra_stop_token_ids if t not in stop_token_ids]
+    prompt_logprobs = request.prompt_logprobs
     if isinstance(request, ChatCompletionRequest):
         logprobs = request.num_logprobs
     else:
         logprobs = request.logprobs
+        if request.echo and logprobs is not None:  # the echoed prompt comes with its logprobs
+            prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     try:
         return SamplingParams(
             max_tokens=resolve_max_tokens(
@@ -131,6 +134,7 @@ def to_sampling_params(
             ignore_eos=bool(request.ignore_eos),
             min_tokens=request.min_tokens or 0,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=bool(request.include_stop_str_in_output),
         )
     except InvalidRequestError as exc:

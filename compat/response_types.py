@@ -52,10 +52,26 @@ def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
 
 
 class CompletionLogprobs(msgspec.Struct):
+    """The legacy logprobs. With `echo` the prompt's tokens come first, and the first of them
+    has null for its logprob and alternatives (nothing precedes it), as OpenAI sent them."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    """vLLM's entry for one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None  # 1 for the most likely token
+    decoded_token: str | None = None
+
+
+# Per prompt position (null for the first): token id (as a JSON key) -> its entry; holds the
+# prompt's own token and the requested number of most likely ones.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
@@ -63,6 +79,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None  # null in stream chunks until the last one
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's extension, when asked
 
 
 class Completion(msgspec.Struct, kw_only=True):
@@ -140,6 +157,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     system_fingerprint: str | UnsetType = UNSET
     choices: list[ChatChoice]
     usage: Usage | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's extension, when asked
 
 
 class FunctionCallDelta(msgspec.Struct, kw_only=True):

@@ -327,7 +327,7 @@ class AsyncEngine:
             if tracked is None:
                 continue
             generated += len(out.new_token_ids)
-            if tracked.first_token_at is None:
+            if tracked.first_token_at is None and out.new_token_ids:  # max_tokens 0 has none
                 tracked.first_token_at = now
                 self.metrics.record_first_token(now - tracked.arrival, seq.tenant)
             self._push(tracked, out)

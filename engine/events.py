@@ -4,6 +4,7 @@ A request's choices each stream `StepOutput`s from the engine. `ChoiceTracker` t
 choice's outputs into events; the HTTP formatters, the WebSocket and the offline API all consume
 the same events, and a whole (non-streamed) result is their fold (`fold`):
 
+    PromptScored   the logprobs of a choice's prompt tokens (prompt logprobs, echo scoring)
     TextDelta      new text of a choice, with the logprobs of the tokens that made it
     ToolCallDelta  part of a tool call: the first part of a call names it, later parts extend
                    its JSON arguments
@@ -27,11 +28,22 @@ FinishKind = Literal["stop", "length", "tool_calls", "abort"]
 
 
 @dataclass(frozen=True)
+class PromptScored:
+    """A choice's prompt, scored when its prefill ended: entries[i] scores token_ids[i + 1]
+    (the first token has no logprob)."""
+
+    choice: int
+    token_ids: tuple[int, ...]
+    entries: tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True)
 class TextDelta:
     choice: int
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
-    # Per logprobs entry: where its token's text begins in the choice's generated text.
+    # Per logprobs entry: where its token's text begins in the choice's generated text; for
+    # an echo, where each prompt token's text begins in it.
     text_offsets: tuple[int, ...] = ()
     echo: bool = False  # the prompt, repeated before the generated text (completions echo)
 
@@ -58,7 +70,7 @@ class UsageReport:
     cached_tokens: int
 
 
-Event = TextDelta | ToolCallDelta | Finished | UsageReport
+Event = PromptScored | TextDelta | ToolCallDelta | Finished | UsageReport
 
 
 def finish_kind(reason: FinishReason | None) -> FinishKind:
@@ -74,14 +86,16 @@ class ChoiceTracker:
     """One choice's engine outputs -> events; keeps the counts its usage needs."""
 
     index: int
+    prompt_token_ids: tuple[int, ...] = ()
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
     text_length: int = 0  # characters of generated text so far
     finish_reason: FinishReason | None = None
 
-    def events(self, out: StepOutput) -> list[TextDelta | Finished]:
-        """The events of one step: its text (and logprobs), then Finished if it was the last."""
+    def events(self, out: StepOutput) -> list[PromptScored | TextDelta | Finished]:
+        """The events of one step: the prompt's logprobs if it scored them, its text (and
+        logprobs), then Finished if it was the last."""
         # A token's offset is where the text before its step ends: the detokenizer shows a
         # character split over byte tokens with its last token, so no offset passes the text
         # and a stream agrees with the whole response.
@@ -90,7 +104,11 @@ class ChoiceTracker:
         self.completion_tokens += len(out.new_token_ids)
         self.prompt_tokens = out.num_prompt_tokens
         self.cached_tokens = out.num_cached_tokens
-        events: list[TextDelta | Finished] = []
+        events: list[PromptScored | TextDelta | Finished] = []
+        if out.prompt_logprobs is not None:
+            events.append(
+                PromptScored(self.index, self.prompt_token_ids, tuple(out.prompt_logprobs))
+            )
         if out.new_text or out.logprobs:
             events.append(TextDelta(self.index, out.new_text, tuple(out.logprobs or ()), offsets))
         if out.finished:
@@ -122,6 +140,8 @@ class ChoiceResult:
 
     index: int
     echo: str = ""
+    echo_offsets: list[int] = field(default_factory=list)  # each prompt token's, in `echo`
+    prompt: PromptScored | None = None
     text: str = ""  # generated text (tool-call text excluded)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text_offsets: list[int] = field(default_factory=list)
@@ -145,9 +165,12 @@ def fold(events: Iterable[Event], num_choices: int) -> FoldedGeneration:
             usage = event
             continue
         choice = choices[event.choice]
-        if isinstance(event, TextDelta):
+        if isinstance(event, PromptScored):
+            choice.prompt = event
+        elif isinstance(event, TextDelta):
             if event.echo:
                 choice.echo += event.text
+                choice.echo_offsets.extend(event.text_offsets)
             else:
                 texts[event.choice].append(event.text)
                 choice.logprobs.extend(event.logprobs)

@@ -2,8 +2,8 @@
 
 No threads and no asyncio here (see `engine.async_engine` for serving). Each step:
 
-    scheduler.schedule() -> runner (ForwardBatch -> model) -> sampler (grammar masks)
-    -> grammars advanced, detokenizers
+    scheduler.schedule() -> runner (ForwardBatch -> model; prompt logprobs reduced)
+    -> sampler (grammar masks) -> grammars advanced, detokenizers
     -> scheduler.update()  (advance computed tokens, commit KV blocks, retire finished)
 """
 
@@ -208,6 +208,9 @@ class LLMEngine:
             result = self.runner.forward(batch)
             if result.attention_mass is not None:
                 self.runner.record_attention(plan.scheduled, batch, result.attention_mass, self.kv)
+        if result.prompt_logprobs is not None:
+            for item, scored in zip(plan.scheduled, result.prompt_logprobs, strict=True):
+                item.seq.prompt_logprobs.extend(scored)
 
         sampling = [item.seq for item in plan.scheduled if item.samples]
         outputs: list[tuple[Sequence, StepOutput]] = []
@@ -222,6 +225,9 @@ class LLMEngine:
                     sampling, sampled.token_ids, sampled.logprobs, strict=True
                 ):
                     outputs.append(self._emit(seq, token, logprob, finished))
+        for item in plan.scheduled:
+            if item.ends_prefill and item.seq.sampling.max_tokens == 0:
+                outputs.append(self._end_prefill_only(item.seq, finished))
         if faults is not None:
             faults.check("step", plan.scheduled)
         with profile.phase("schedule"):
@@ -256,10 +262,34 @@ class LLMEngine:
                 new_token_ids=[token],
                 new_text=text.text,
                 logprobs=None if logprob is None else [logprob],
+                # With the first token: its step ended the prompt's prefill.
+                prompt_logprobs=_prompt_logprobs(seq) if seq.num_output_tokens == 1 else None,
                 finished=finish_reason is not None,
                 finish_reason=finish_reason,
                 num_prompt_tokens=seq.num_prompt_tokens,
                 num_output_tokens=seq.num_output_tokens,
+                num_cached_tokens=seq.num_cached_prompt_tokens,
+            ),
+        )
+
+    def _end_prefill_only(
+        self, seq: Sequence, finished: dict[int, FinishReason]
+    ) -> tuple[Sequence, StepOutput]:
+        """A sequence with max_tokens 0 whose prompt is now computed: it ends without a
+        token (LENGTH), with its prompt logprobs if it asked for them."""
+        finished[seq.seq_id] = FinishReason.LENGTH
+        self._detokenizers.pop(seq.seq_id, None)
+        seq.grammar = None
+        return (
+            seq,
+            StepOutput(
+                request_id=seq.request_id,
+                new_token_ids=[],
+                new_text="",
+                prompt_logprobs=_prompt_logprobs(seq),
+                finished=True,
+                finish_reason=FinishReason.LENGTH,
+                num_prompt_tokens=seq.num_prompt_tokens,
                 num_cached_tokens=seq.num_cached_prompt_tokens,
             ),
         )
@@ -294,6 +324,10 @@ class LLMEngine:
         if grammar.is_terminated:
             return FinishReason.STOP, True
         return reason, False
+
+
+def _prompt_logprobs(seq: Sequence) -> list[TokenLogprob] | None:
+    return list(seq.prompt_logprobs) if seq.sampling.prompt_logprobs is not None else None
 
 
 def _num_kv_blocks(backend: InferenceBackend, config: EngineConfig) -> dict[str, int] | SharedPages:

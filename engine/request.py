@@ -61,6 +61,8 @@ class Sequence:
     # The output's grammar state (engine.structured): each of a request's n choices gets its
     # own matcher of one CompiledGrammar. The engine advances it and drops it at the end.
     grammar: GrammarMatcher | None = field(default=None, repr=False, compare=False)
+    # With sampling.prompt_logprobs: entry i scores prompt token i + 1 (engine.prompt_logprobs).
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)
 
     @property
     def token_ids(self) -> list[int]:
@@ -88,6 +90,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob) alternatives
+    rank: int | None = None  # 1 for the most likely token; computed for prompt tokens
 
 
 @dataclass
@@ -98,6 +101,8 @@ class StepOutput:
     new_token_ids: list[int]
     new_text: str
     logprobs: list[TokenLogprob] | None = None
+    # Once, with the output that ends the prompt's prefill: entry i scores prompt token i + 1.
+    prompt_logprobs: list[TokenLogprob] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0

@@ -3,8 +3,9 @@
 Everything between the scheduler and the model's layers lives here: it owns the physical paged
 KV cache, applies the KV manager's copy-on-write copies, flattens the scheduled chunks into one
 ForwardBatch, builds the per-step attention state every layer shares (PagedAttentionStep),
-moves the inputs to the device, runs the backend's model, and hands the attention mass an
-eviction policy asked for back to the KV manager.
+moves the inputs to the device, runs the backend's model, reduces the logits of prompt
+positions that score their next token (engine.prompt_logprobs), and hands the attention mass
+an eviction policy asked for back to the KV manager.
 """
 
 from __future__ import annotations
@@ -21,12 +22,17 @@ from engine.model import cpu_ops
 from engine.model.batch import ForwardBatch, GroupAttention, slots_of_blocks
 from engine.model.kv_cache import PagedKVCache, cache_group_specs
 from engine.model.paged_attention import PagedAttentionStep
+from engine.prompt_logprobs import positions_to_score, reduce_prompt_logprobs
+from engine.request import TokenLogprob
 from engine.sched.output import ScheduledSeq
 
 
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [N, vocab] float32, rows in the order of batch.logits_indices
+    # Per scheduled sequence, the prompt tokens this step scored (batch.score_counts of them;
+    # engine.prompt_logprobs); None when no sequence wanted any.
+    prompt_logprobs: list[list[TokenLogprob]] | None = None
     # With batch.collect_attention: per sequence, the attention mass each of its keys in the
     # "full" group received in this step, summed over layers and heads ([K_i] float32, in the
     # order of that group's key_slots row, padding dropped).
@@ -89,13 +95,26 @@ class ModelRunner:
             fused=self.fused_attention,
             paged_decode=self.paged_decode,
         )
-        logits = self.backend.forward(
+        num_sampled = len(batch.logits_indices)
+        rows = batch.logits_indices
+        if batch.score_counts:
+            rows = torch.cat([rows, batch.score_rows])
+        hidden = self.backend.hidden_states(
             batch.input_ids.to(self.device),
             batch.positions.to(self.device),
             step,
-            batch.logits_indices.to(self.device, torch.long),
+            rows.to(self.device, torch.long),
         )
-        return ForwardOutput(logits=logits, attention_mass=step.attention_mass())
+        logits = self.backend.logits(hidden[:num_sampled])
+        prompt_logprobs = None
+        if batch.score_counts:
+            scored = reduce_prompt_logprobs(
+                self.backend.logits, hidden[num_sampled:], batch.score_targets, batch.score_top
+            )
+            prompt_logprobs = _split(scored, batch.score_counts)
+        return ForwardOutput(
+            logits=logits, prompt_logprobs=prompt_logprobs, attention_mass=step.attention_mass()
+        )
 
     @staticmethod
     def record_attention(
@@ -123,6 +142,10 @@ def build_forward_batch(scheduled: list[ScheduledSeq], kv: KVCacheManager) -> Fo
     slot_rows: dict[str, list[int]] = {group: [] for group in kv.pools}
     held_blocks: dict[str, list[list[tuple[int, int]]]] = {group: [] for group in kv.pools}
     collect_attention = False
+    score_rows: list[int] = []
+    score_targets: list[int] = []
+    score_top: list[int] = []
+    score_counts: list[int] = []
     for item in scheduled:
         seq, start, count = item.seq, item.start, item.num_new_tokens
         input_ids.extend(seq.token_ids[start : start + count])
@@ -131,6 +154,11 @@ def build_forward_batch(scheduled: list[ScheduledSeq], kv: KVCacheManager) -> Fo
         ends.append(start + count)
         if item.samples:
             logits_indices.append(query_start[-1] - 1)
+        scored = positions_to_score(seq, start, count)
+        score_rows.extend(query_start[-2] + p - start for p in scored)
+        score_targets.extend(seq.prompt_token_ids[p + 1] for p in scored)
+        score_top.extend([seq.sampling.prompt_logprobs or 0] * len(scored))
+        score_counts.append(len(scored))
         for group, slots in kv.slots_for_new_tokens(seq, count).items():
             slot_rows[group].extend(slots)
         for group, blocks in kv.layout(seq).items():
@@ -146,7 +174,20 @@ def build_forward_batch(scheduled: list[ScheduledSeq], kv: KVCacheManager) -> Fo
         },
         logits_indices=torch.tensor(logits_indices, dtype=torch.long),
         collect_attention=collect_attention,
+        score_rows=torch.tensor(score_rows, dtype=torch.long),
+        score_targets=torch.tensor(score_targets, dtype=torch.long),
+        score_top=score_top,
+        score_counts=score_counts if score_rows else [],
     )
+
+
+def _split(items: list[TokenLogprob], counts: list[int]) -> list[list[TokenLogprob]]:
+    """`items` cut into consecutive runs of `counts` items."""
+    runs, begin = [], 0
+    for count in counts:
+        runs.append(items[begin : begin + count])
+        begin += count
+    return runs
 
 
 def _group_attention(

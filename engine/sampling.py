@@ -33,6 +33,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # number of top alternatives to return; None: no logprobs
+    # The same for the prompt's own tokens (engine.prompt_logprobs). Such a sequence reads no
+    # KV from the prefix cache: every prompt position's logits are needed.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     # Special tokens' text is left out of the output, except where it carries meaning (Gemma
     # 4's tool-call tokens, which the tool parser reads).
@@ -46,9 +49,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        # 0: the prompt alone is computed (scoring it, or warming the prefix cache).
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
             raise InvalidRequestError(
-                f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens"
+                f"max_tokens must be a non-negative integer, got {self.max_tokens!r}",
+                "max_tokens",
             )
         if self.temperature < 0.0:
             raise InvalidRequestError(
@@ -82,6 +87,11 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError(
                 f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs"
+            )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise InvalidRequestError(
+                f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
+                "prompt_logprobs",
             )
         for token_id, bias in self.logit_bias.items():
             if not -100.0 <= bias <= 100.0:

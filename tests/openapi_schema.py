@@ -8,10 +8,13 @@ The spec is the trimmed copy vendored in tests/openai_spec (see SOURCE.md there)
 ignores; it is rewritten once at load time to allow null. `$ref`s resolve
 within the document through a `referencing` registry.
 
-One documented deviation: the spec says streamed and non-streamed completions share one shape,
+Two documented deviations. The spec says streamed and non-streamed completions share one shape,
 but its `finish_reason` is not nullable, while every chunk before the last carries null (as
 OpenAI's own API sends). Validate completion chunks against COMPLETION_CHUNK, which is
-CreateCompletionResponse with a nullable finish_reason.
+CreateCompletionResponse with a nullable finish_reason. And with `echo` the legacy logprobs
+start with the prompt's first token, which has no logprob: its `token_logprobs` and
+`top_logprobs` entries are null (as OpenAI's API sent them, and lm-eval skips them), where the
+spec's items are not nullable; both completion schemas allow null there.
 """
 
 from __future__ import annotations
@@ -55,6 +58,13 @@ def _allow_null(node: Any) -> Any:
 def _spec() -> dict[str, Any]:
     spec = _allow_null(json.loads(SUBSET_PATH.read_text()))
     schemas = spec["components"]["schemas"]
+    choice = schemas["CreateCompletionResponse"]["properties"]["choices"]["items"]
+    logprobs = next(
+        option for option in choice["properties"]["logprobs"]["anyOf"] if "properties" in option
+    )
+    for name in ("token_logprobs", "top_logprobs"):
+        items = logprobs["properties"][name]["items"]
+        items["type"] = [items["type"], "null"]
     chunk = copy.deepcopy(schemas["CreateCompletionResponse"])
     finish = chunk["properties"]["choices"]["items"]["properties"]["finish_reason"]
     finish["type"], finish["enum"] = ["string", "null"], [*finish["enum"], None]

@@ -1,8 +1,9 @@
 """The contract between the engine and whatever runs the model.
 
 The engine owns scheduling and block bookkeeping, the model runner (engine.runner) the physical
-KV cache and the step's tensors; a backend owns the weights and computes one step's logits,
-writing and reading K/V through the PagedAttentionStep it is given.
+KV cache and the step's tensors; a backend owns the weights and computes one step's final
+hidden states, writing and reading K/V through the PagedAttentionStep it is given, and the
+logits of any of them (the runner makes a prompt's logits a slice at a time).
 """
 
 from __future__ import annotations
@@ -51,6 +52,21 @@ class InferenceBackend(ABC):
         self.max_model_len = max_model_len
 
     @abstractmethod
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        step: PagedAttentionStep,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """The final (normed) hidden states [N, hidden] of the flattened batch's rows `rows`
+        ([T] ids and positions, on the device); each layer writes and reads K/V through
+        `step`."""
+
+    @abstractmethod
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head (and final softcap) on hidden states: [N, vocab] float32."""
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -58,8 +74,8 @@ class InferenceBackend(ABC):
         step: PagedAttentionStep,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits [N, vocab] float32 of the flattened batch's rows `logits_indices` ([T] ids and
-        positions, on the device); each layer writes and reads K/V through `step`."""
+        """Logits [N, vocab] float32 of the flattened batch's rows `logits_indices`."""
+        return self.logits(self.hidden_states(input_ids, positions, step, logits_indices))
 
     def warm_up(self, max_tokens: int, max_seqs: int) -> int:
         """Build whatever per-shape state the kernels keep (oneDNN's primitives) for every

@@ -24,14 +24,17 @@ class CustomBackend(InferenceBackend):
         self.model = GemmaForCausalLM.from_state_dict(config, state_dict, device, dtype, kernel)
         super().__init__(self.model.arch, device, dtype, max_model_len, exact=kernel == "exact")
 
-    def forward(
+    def hidden_states(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         step: PagedAttentionStep,
-        logits_indices: torch.Tensor,
+        rows: torch.Tensor,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, step, logits_indices)
+        return self.model.hidden_states(input_ids, positions, step, rows)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
 
     def warm_up(self, max_tokens: int, max_seqs: int) -> int:
         calls = warm_up(self.model.model, max_tokens, self.dtype)

@@ -111,22 +111,29 @@ class HFBackend(InferenceBackend):
             if not spec.stores_kv
         )
 
-    def forward(
+    def hidden_states(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         step: PagedAttentionStep,
-        logits_indices: torch.Tensor,
+        rows: torch.Tensor,
     ) -> torch.Tensor:
-        out = self.model(
+        out = self.model.model(
             input_ids=input_ids[None],
             position_ids=positions[None],
             use_cache=False,
-            logits_to_keep=logits_indices,
             paged_step=step,
             kv_sources=self.kv_sources,
         )
-        return out.logits[0].float()
+        return out.last_hidden_state[0].index_select(0, rows)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """As Gemma3ForCausalLM / Gemma4ForCausalLM compute them from the hidden states."""
+        logits = self.model.lm_head(hidden)
+        cap = self.model.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def warm_up(self, max_tokens: int, max_seqs: int) -> int:
         head = self.model.get_output_embeddings()

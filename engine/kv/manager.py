@@ -257,7 +257,8 @@ class KVCacheManager:
 
         Sets seq.num_computed_tokens to the returned value and seq.num_cached_prompt_tokens
         to its prompt part. Blocks still held from an earlier, failed attempt are released
-        first. With prefix caching off it returns 0. Counts one query in stats().
+        first. With prefix caching off, or for a sequence that wants prompt logprobs, it
+        returns 0. Counts one query in stats() when it looks the prefix up.
 
         A turn of a session that kept an evicted cache (see the module doc) adopts it instead
         when its tokens extend the kept ones: it returns every token the kept state covers and
@@ -267,7 +268,9 @@ class KVCacheManager:
             self.free(seq)
         state = _SeqBlocks(tables={g: [] for g in self.pools})
         cached = 0
-        if self.enable_prefix_caching:
+        # Prompt logprobs need every prompt position's logits: such a sequence reads nothing
+        # from the cache (it still publishes its blocks for others).
+        if self.enable_prefix_caching and seq.sampling.prompt_logprobs is None:
             kept = self._take_kept(seq)
             if kept is not None:
                 state, cached = kept.state, len(kept.token_ids)

@@ -12,7 +12,7 @@ positions, never from slot order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 
 import torch
@@ -55,6 +55,13 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [N] rows whose next-token logits are wanted
     # Set when an eviction policy needs the attention mass each key received (h2o).
     collect_attention: bool = False
+    # Prompt logprobs (engine.prompt_logprobs): [S] rows whose logits score the prompt token
+    # `score_targets` names, the top alternatives each wants, and per sequence how many of
+    # the S rows are its own (in sequence order).
+    score_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    score_targets: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    score_top: list[int] = field(default_factory=list)
+    score_counts: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

@@ -456,16 +456,19 @@ class GemmaForCausalLM(nn.Module):
             if isinstance(layer.self_attn.o_proj, BFloat16Linear):
                 layer.self_attn.o_proj.bf16_out = bf16
 
-    def forward(
+    def hidden_states(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         step: PagedAttentionStep,
-        logits_indices: torch.Tensor,
+        rows: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits [N, vocab] float32 for the rows `logits_indices` of the flattened batch."""
+        """The final normed hidden states [N, hidden] of the flattened batch's rows `rows`."""
         hidden = self.model(input_ids, positions, step)
-        hidden = self.model.norm(hidden.index_select(0, logits_indices))
+        return self.model.norm(hidden.index_select(0, rows))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] float32 of final hidden states."""
         if self.fast_head is not None:
             logits = self.fast_head(hidden)
         else:
@@ -474,3 +477,13 @@ class GemmaForCausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        step: PagedAttentionStep,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits [N, vocab] float32 for the rows `logits_indices` of the flattened batch."""
+        return self.logits(self.hidden_states(input_ids, positions, step, logits_indices))

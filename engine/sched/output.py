@@ -14,13 +14,19 @@ class ScheduledSeq:
 
     `start` equals seq.num_computed_tokens during the step (the scheduler advances it in
     update()). `samples` is True when the chunk reaches the last known token, so the step
-    yields this sequence's next token; a prefill chunk that stops short of it samples nothing.
+    yields this sequence's next token; a prefill chunk that stops short of it samples nothing,
+    nor does the last chunk of a sequence with max_tokens 0.
     """
 
     seq: Sequence
     start: int
     num_new_tokens: int
     samples: bool
+
+    @property
+    def ends_prefill(self) -> bool:
+        """The chunk reaches the last known token (it samples unless max_tokens is 0)."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass

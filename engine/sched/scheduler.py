@@ -144,7 +144,7 @@ class Scheduler:
         """The most KV seq can hold at once: prompt + max_tokens - 1 (the last sampled
         token is never computed), or, under a per-session eviction budget, that budget
         plus one step's chunk (eviction trims after each step)."""
-        need = seq.num_prompt_tokens + seq.sampling.max_tokens - 1
+        need = seq.num_prompt_tokens + max(seq.sampling.max_tokens - 1, 0)
         if seq.eviction_policy != "none" and seq.max_kv_tokens is not None:
             need = min(need, seq.max_kv_tokens + self.config.max_num_batched_tokens)
         return need
@@ -239,7 +239,7 @@ class Scheduler:
                     num_new = self._admit(seq, budget, out)
                     admitting = num_new > 0
                 budget -= num_new
-                if num_new and out.scheduled[-1].samples:
+                if num_new and out.scheduled[-1].ends_prefill:
                     self.policy.on_prefilled(seq)  # its whole prompt is scheduled
             return out
 
@@ -468,7 +468,9 @@ class Scheduler:
         """Record seq's chunk in the step and charge its tenant for the new service."""
         start = seq.num_computed_tokens
         end = start + num_new
-        samples = end == seq.num_tokens
+        # A sequence with max_tokens 0 computes its prompt and samples nothing (the engine
+        # finishes it after this step).
+        samples = end == seq.num_tokens and seq.sampling.max_tokens > 0
         charged = self._charged_upto.get(seq.seq_id, 0)
         new_prompt = max(0, min(end, seq.num_prompt_tokens) - max(start, charged))
         self._charged_upto[seq.seq_id] = max(charged, end)
