@@ -26,6 +26,10 @@ ROOTS = (
     "ErrorResponse",
     "ListModelsResponse",
     "Model",
+    "CreateResponse",
+    "Response",
+    "ResponseStreamEvent",
+    "ResponseItemList",
 )
 SUBSET_PATH = Path(__file__).with_name("openapi-subset.json")
 _PREFIX = "#/components/schemas/"
