@@ -118,8 +118,8 @@ def test_bad_inputs_raise_clear_errors(llm):
     assert not llm.engine.has_work
 
     for kwargs, param in [
-        ({"max_tokens": -1}, "max_tokens"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),  # 0 is allowed: the prompt alone is computed
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_p": -0.1}, "top_p"),
     ]:

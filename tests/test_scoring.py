@@ -294,3 +294,24 @@ def test_lm_eval_local_completions_matches_its_hf_model(
     assert ours.accuracy == lm_eval_reference.accuracy
     assert report["documents_whose_pick_differs"] == 0
     assert report["max_abs_loglik_diff"] < tolerance, report
+
+
+async def test_the_websocket_streams_an_echo_with_its_logprobs(server):
+    from tests.test_websocket import open_ready, send, until_finished
+
+    body = {"prompt": TEXT, "echo": True, "logprobs": 1, "max_tokens": 2, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    expected = _complete(server.base_url, **body)["choices"][0]
+    ws = await open_ready(server)
+    try:
+        await send(ws, {"type": "generate", "id": "e", "model": MODEL_ID, **body})
+        messages = await until_finished(ws, {"e"})
+    finally:
+        await ws.close()
+    deltas = [m for m in messages if m["type"] == "delta"]
+    assert "".join(m["text"] for m in deltas) == expected["text"]
+    streamed: dict[str, list] = {key: [] for key in expected["logprobs"]}
+    for delta in deltas:
+        for key in streamed:
+            streamed[key] += delta["logprobs"][key]
+    assert streamed == expected["logprobs"]
