@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
 
 import structlog
 
@@ -47,7 +47,16 @@ from engine.async_engine import (
     RequestStream,
     RequestTooLarge,
 )
-from engine.events import ChoiceTracker, Event, TextDelta, fold, usage_of
+from engine.detokenizer import IncrementalDetokenizer
+from engine.events import (
+    ChoiceTracker,
+    Event,
+    PromptScored,
+    TextDelta,
+    UsageReport,
+    fold,
+    usage_of,
+)
 from engine.request import DEFAULT_TENANT, Sequence, StepOutput
 from engine.sampling import SamplingParams
 from engine.structured import CompiledGrammar, InvalidGrammar
@@ -74,10 +83,25 @@ class Admitted:
     n: int
     echo_texts: list[str]  # per prompt: what a completion with `echo` repeats first
     output: ChatOutputPlan | None = None  # how a chat's text becomes content and tool calls
+    # Per prompt, where each prompt token's text begins in its echo, when the echo carries
+    # the prompt's logprobs (sent once the prefill scored them); None: the echo goes first.
+    echo_offsets: list[list[int]] | None = None
+
+    # Each choice's counts, as `GenerationService.events` reads its outputs.
+    trackers: list[ChoiceTracker] = field(default_factory=list)
 
     def output_for(self, choice: int) -> ChoiceOutput:
         """The per-choice reader of the generated text (tool calls, or plain text)."""
         return ChoiceOutput(choice, self.output)
+
+    def usage_so_far(self) -> UsageReport:
+        """The tokens of every prompt, and those generated up to the last output read."""
+        prompts = [stream.seq for stream in self.streams[:: self.n]]
+        return UsageReport(
+            prompt_tokens=sum(seq.num_prompt_tokens for seq in prompts),
+            completion_tokens=sum(t.completion_tokens for t in self.trackers),
+            cached_tokens=sum(seq.num_cached_prompt_tokens for seq in prompts),
+        )
 
 
 @dataclass
@@ -171,7 +195,9 @@ class GenerationService:
         self.check_model(req.model)
         # tool_choice "none": the model is not told of tools it may not call.
         tools = req.tools if resolve_tool_choice(req) != "none" else None
-        text = render_chat_prompt(req.messages, self.tokenizer, tools=tools)
+        text = render_chat_prompt(
+            req.messages, self.tokenizer, tools=tools, chat_template_kwargs=req.chat_template_kwargs
+        )
         ids = self.encode_text(text)
         sampling = to_sampling_params(
             req, num_prompt_tokens=len(ids), max_model_len=self.max_model_len,
@@ -305,16 +331,23 @@ class GenerationService:
     async def events(self, admitted: Admitted) -> AsyncIterator[Event]:
         """The generation as neutral events: each choice's echo, its text and tool calls as
         they come, its finish, then the usage of all choices."""
-        n = admitted.n
-        trackers = [ChoiceTracker(i) for i in range(len(admitted.streams))]
+        n, scored_echo = admitted.n, admitted.echo_offsets
+        trackers = [
+            ChoiceTracker(i, tuple(stream.seq.prompt_token_ids))
+            for i, stream in enumerate(admitted.streams)
+        ]
+        admitted.trackers = trackers
         outputs = [admitted.output_for(i) for i in range(len(trackers))]
         for i in range(len(trackers)):
-            if echo := admitted.echo_texts[i // n]:
+            if (echo := admitted.echo_texts[i // n]) and scored_echo is None:
                 yield TextDelta(i, echo, echo=True)
         async for index, out in self.merged(admitted.streams):
             for event in trackers[index].events(out):
                 for shaped in outputs[index].shape(event):
                     yield shaped
+                if isinstance(event, PromptScored) and scored_echo is not None:
+                    offsets = tuple(scored_echo[index // n])
+                    yield TextDelta(index, admitted.echo_texts[index // n], (), offsets, echo=True)
         yield usage_of(trackers, n)
 
     # ------------------------------------------------------------------ /v1/completions
@@ -330,12 +363,36 @@ class GenerationService:
             cache_salt=req.cache_salt, grammar=grammar,
         )  # fmt: skip
         echo = [p.text if req.echo else "" for p in prompts]
-        return Admitted(streams, req.num_choices, echo)
+        offsets = None
+        if req.echo and req.logprobs is not None:
+            offsets = [
+                self.text_offsets(p.token_ids, skip_special=isinstance(source, str))
+                for p, source in zip(prompts, req.prompts(), strict=True)
+            ]
+        return Admitted(streams, req.num_choices, echo, echo_offsets=offsets)
 
-    def completion_formatter(self, req: CompletionRequest) -> CompletionFormatter:
+    def text_offsets(self, token_ids: list[int], *, skip_special: bool) -> list[int]:
+        """Where each token's text begins in the text of `token_ids`, decoded one token at a
+        time as a stream would show them (special tokens as text unless `skip_special`)."""
+        sampling = SamplingParams(
+            max_tokens=len(token_ids), ignore_eos=True, skip_special_tokens=skip_special
+        )
+        detokenizer = IncrementalDetokenizer(self.tokenizer, [], sampling)
+        offsets, length = [], 0
+        for token in token_ids:
+            offsets.append(length)
+            length += len(detokenizer.update(token, None).text)
+        return offsets
+
+    def completion_formatter(
+        self, req: CompletionRequest, admitted: Admitted | None = None
+    ) -> CompletionFormatter:
+        """`admitted`: the stream's generation, whose usage so far continuous usage reports."""
         return CompletionFormatter(
             ResponseMeta(new_completion_id(), int(time.time()), self.model_id),
             self.token_text, logprobs=req.logprobs is not None, include_usage=req.include_usage,
+            prompt_logprobs=req.prompt_logprobs is not None,
+            usage_so_far=_usage_so_far(req, admitted),
         )  # fmt: skip
 
     async def completion(self, req: CompletionRequest, identity: Identity) -> Completion:
@@ -348,7 +405,7 @@ class GenerationService:
     ) -> AsyncIterator[Completion]:
         """Validate and admit now (errors raise before anything is sent), then stream."""
         admitted = await self.start_completion(req, identity)
-        return _formatted(self.completion_formatter(req), self.events(admitted))
+        return _formatted(self.completion_formatter(req, admitted), self.events(admitted))
 
     # ------------------------------------------------------------------ /v1/chat/completions
 
@@ -373,11 +430,15 @@ class GenerationService:
         )  # fmt: skip
         return Admitted(streams, req.num_choices, [""], plan)
 
-    def chat_formatter(self, req: ChatCompletionRequest) -> ChatFormatter:
+    def chat_formatter(
+        self, req: ChatCompletionRequest, admitted: Admitted | None = None
+    ) -> ChatFormatter:
+        """`admitted`: the stream's generation, whose usage so far continuous usage reports."""
         return ChatFormatter(
             ResponseMeta(new_chat_completion_id(), int(time.time()), self.model_id),
             self.token_text, self.token_bytes, logprobs=bool(req.logprobs),
-            include_usage=req.include_usage,
+            include_usage=req.include_usage, prompt_logprobs=req.prompt_logprobs is not None,
+            usage_so_far=_usage_so_far(req, admitted),
         )  # fmt: skip
 
     async def chat(self, req: ChatCompletionRequest, identity: Identity) -> ChatCompletion:
@@ -390,8 +451,15 @@ class GenerationService:
     ) -> AsyncIterator[ChatCompletionChunk]:
         """Validate and admit now (errors raise before anything is sent), then stream."""
         admitted = await self.start_chat(req, identity)
-        formatter = self.chat_formatter(req)
+        formatter = self.chat_formatter(req, admitted)
         return _chat_chunks(formatter, admitted.n, self.events(admitted))
+
+
+def _usage_so_far(
+    req: CompletionRequest | ChatCompletionRequest, admitted: Admitted | None
+) -> Callable[[], UsageReport] | None:
+    """What stamps every chunk with the usage so far (stream_options.continuous_usage_stats)."""
+    return admitted.usage_so_far if admitted is not None and req.continuous_usage else None
 
 
 async def _formatted(

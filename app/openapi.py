@@ -39,6 +39,12 @@ from compat.response_types import (
     ModelList,
     TokenizeResponse,
 )
+from compat.responses_types import (
+    CreateResponseRequest,
+    DeletedResponse,
+    InputItemList,
+    Response,
+)
 from web.loadgen import LoadConfig
 
 JSON = "application/json"
@@ -55,6 +61,10 @@ _TYPES: tuple[type[msgspec.Struct], ...] = (
     TokenizeResponse,
     DetokenizeResponse,
     ErrorResponse,
+    CreateResponseRequest,
+    Response,
+    DeletedResponse,
+    InputItemList,
 )
 
 # JSON Schema keywords whose value is a schema, a list of schemas or a map of them.
@@ -67,21 +77,28 @@ def _snake_case(keyword: str) -> str:
     return "".join(f"_{c.lower()}" if c.isupper() else c for c in keyword)
 
 
-def to_litestar_schema(node: dict[str, Any], definitions: dict[str, Any]) -> Schema:
+def to_litestar_schema(
+    node: dict[str, Any], definitions: dict[str, Any], *, open_objects: bool = False
+) -> Schema:
     """A JSON Schema dict (as msgspec writes it) as Litestar's Schema objects, with every
-    `$ref` to `definitions` inlined (none of our types is recursive)."""
+    `$ref` to `definitions` inlined (none of our types is recursive). `open_objects` drops
+    `additionalProperties: false`: the body's unknown fields are accepted (and ignored)."""
+
+    def convert(child: dict[str, Any]) -> Schema:
+        return to_litestar_schema(child, definitions, open_objects=open_objects)
+
     if "$ref" in node:
-        return to_litestar_schema(definitions[node["$ref"].rpartition("/")[2]], definitions)
+        return convert(definitions[node["$ref"].rpartition("/")[2]])
     fields: dict[str, Any] = {}
     for keyword, value in node.items():
+        if open_objects and keyword == "additionalProperties" and value is False:
+            continue
         if keyword in _SUBSCHEMA and isinstance(value, dict):
-            converted: Any = to_litestar_schema(value, definitions)
+            converted: Any = convert(value)
         elif keyword in _SUBSCHEMA_LISTS:
-            converted = [to_litestar_schema(item, definitions) for item in value]
+            converted = [convert(item) for item in value]
         elif keyword in _SUBSCHEMA_MAPS:
-            converted = {
-                name: to_litestar_schema(item, definitions) for name, item in value.items()
-            }
+            converted = {name: convert(item) for name, item in value.items()}
         elif keyword == "type":
             converted = OpenAPIType(value)
         else:
@@ -91,9 +108,19 @@ def to_litestar_schema(node: dict[str, Any], definitions: dict[str, Any]) -> Sch
     return Schema(**fields)
 
 
+# The bodies whose unknown fields are ignored (UNKNOWN_FIELDS=ignore, the default).
+OPEN_BODIES: frozenset[type[msgspec.Struct]] = frozenset(
+    {
+        CompletionRequest,
+        ChatCompletionRequest,
+        TokenizeRequest,
+        DetokenizeRequest,
+        CreateResponseRequest,
+    }
+)
 _ROOTS, _DEFINITIONS = msgspec.json.schema_components(_TYPES)
 SCHEMAS: dict[type[msgspec.Struct], Schema] = {
-    type_: to_litestar_schema(root, _DEFINITIONS)
+    type_: to_litestar_schema(root, _DEFINITIONS, open_objects=type_ in OPEN_BODIES)
     for type_, root in zip(_TYPES, _ROOTS, strict=True)
 }
 

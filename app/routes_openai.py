@@ -35,6 +35,7 @@ from compat.response_types import (
     TokenizeResponse,
 )
 from compat.sse import SSE_DONE, sse_event
+from compat.unknown_fields import UnknownFields
 
 JSON = "application/json"
 T = TypeVar("T")
@@ -51,6 +52,10 @@ def _json(payload: object, status: int = 200) -> Response:
 def _authorize(request: Request) -> str | None:
     """The tenant named by the request's API key (None when auth is off); 401 otherwise."""
     return tenant_for_key(_state(request).settings.api_keys, request.headers.get("authorization"))
+
+
+def _unknown_fields(request: Request) -> UnknownFields:
+    return _state(request).settings.UNKNOWN_FIELDS
 
 
 def _session_id(request: Request) -> str | None:
@@ -134,7 +139,7 @@ async def retrieve_model(request: Request, model_id: str) -> Response:
 async def completions(request: Request) -> Response | Stream:
     state = _state(request)
     key_tenant = _authorize(request)
-    req = decode_completion_request(await request.body())
+    req = decode_completion_request(await request.body(), _unknown_fields(request))
     identity = identity_for(key_tenant, req.user, _session_id(request))
     if req.is_stream:
         return _sse_response(await state.service.completion_stream(req, identity))
@@ -149,7 +154,7 @@ async def completions(request: Request) -> Response | Stream:
 async def chat_completions(request: Request) -> Response | Stream:
     state = _state(request)
     key_tenant = _authorize(request)
-    req = decode_chat_completion_request(await request.body())
+    req = decode_chat_completion_request(await request.body(), _unknown_fields(request))
     identity = identity_for(key_tenant, req.user, _session_id(request), pin_session=True)
     if req.is_stream:
         return _sse_response(await state.service.chat_stream(req, identity))
@@ -160,13 +165,14 @@ async def chat_completions(request: Request) -> Response | Stream:
 async def tokenize(request: Request) -> Response:
     _authorize(request)
     service = _state(request).service
-    req = decode_tokenize_request(await request.body())
+    req = decode_tokenize_request(await request.body(), _unknown_fields(request))
     if req.model is not None:
         service.check_model(req.model)
     if req.messages is not None:
         text = render_chat_prompt(
-            req.messages, service.tokenizer, add_generation_prompt=req.add_generation_prompt
-        )
+            req.messages, service.tokenizer, add_generation_prompt=req.add_generation_prompt,
+            chat_template_kwargs=req.chat_template_kwargs,
+        )  # fmt: skip
     else:
         text = req.prompt or ""
     ids = service.tokenizer(text, add_special_tokens=req.add_special_tokens).input_ids
@@ -186,7 +192,7 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     _authorize(request)
     service = _state(request).service
-    req = decode_detokenize_request(await request.body())
+    req = decode_detokenize_request(await request.body(), _unknown_fields(request))
     if req.model is not None:
         service.check_model(req.model)
     check_token_ids(req.tokens, service.vocab_size, "tokens")

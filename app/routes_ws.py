@@ -35,9 +35,14 @@ from compat.errors import (
     server_error,
     too_deeply_nested,
 )
-from compat.formatters import openai_usage, tool_call_chunk, tool_call_response
+from compat.formatters import (
+    CompletionFormatter,
+    openai_usage,
+    tool_call_chunk,
+    tool_call_response,
+)
 from compat.limits import MAX_IDENTIFIER_LENGTH
-from compat.logprobs import chat_logprobs, completion_logprobs
+from compat.logprobs import chat_logprobs
 from compat.request_types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,7 +50,7 @@ from compat.request_types import (
     decode_completion_request,
 )
 from compat.response_types import ChatLogprobs, CompletionLogprobs, ToolCallChunk, Usage
-from engine.events import FoldedGeneration, TextDelta, ToolCallDelta, fold
+from engine.events import FoldedGeneration, PromptScored, TextDelta, ToolCallDelta, fold
 from engine.kv.eviction import EVICTION_POLICIES
 
 log = structlog.get_logger(__name__)
@@ -445,7 +450,12 @@ class WsConnection:
             if isinstance(body.get("messages"), list):
                 new_messages = body["messages"]
                 body["messages"] = session.history + new_messages
-        req = decode_chat_completion_request(body) if is_chat else decode_completion_request(body)
+        unknown_fields = self.state.settings.UNKNOWN_FIELDS
+        req = (
+            decode_chat_completion_request(body, unknown_fields)
+            if is_chat
+            else decode_completion_request(body, unknown_fields)
+        )
         if session is not None and req.num_choices != 1:
             raise invalid_value("n", "A session turn has exactly one choice (n = 1).")
         if session is not None:
@@ -522,10 +532,19 @@ class WsConnection:
         """Send the deltas; record a session turn; the `done` event to end with."""
         gid = generation.id
         events = []
+        req = generation.request
+        # A completion's logprobs as /v1/completions gives them (an echo's included).
+        legacy = (
+            None
+            if isinstance(req, ChatCompletionRequest)
+            else self.service.completion_formatter(req)
+        )
         async for event in self.service.events(generation.admitted):
             events.append(event)
-            if isinstance(event, TextDelta):
-                logprobs = self._logprobs(generation, event)
+            if isinstance(event, PromptScored) and legacy is not None:
+                legacy.chunk(event)  # kept for the echo, which comes next
+            elif isinstance(event, TextDelta):
+                logprobs = self._logprobs(generation, event, legacy)
                 if event.text or logprobs is not UNSET:
                     await self.send(Delta(id=gid, choice=event.choice, text=event.text,
                                           logprobs=logprobs))  # fmt: skip
@@ -550,18 +569,17 @@ class WsConnection:
             generation.session.busy = False
 
     def _logprobs(
-        self, generation: Generation, event: TextDelta
+        self, generation: Generation, event: TextDelta, legacy: CompletionFormatter | None
     ) -> ChatLogprobs | CompletionLogprobs | UnsetType:
         req = generation.request
-        if event.echo:
-            return UNSET
         if isinstance(req, ChatCompletionRequest):
             if not req.logprobs:
                 return UNSET
             return chat_logprobs(event.logprobs, self.service.token_text, self.service.token_bytes)
-        if req.logprobs is None:
-            return UNSET
-        return completion_logprobs(event.logprobs, self.service.token_text, event.text_offsets)
+        assert legacy is not None  # a completion has its formatter
+        chunk = legacy.chunk(event)
+        logprobs = chunk.choices[0].logprobs if chunk is not None else None
+        return UNSET if logprobs is None else logprobs
 
 
 def _reply_message(folded: FoldedGeneration) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import msgspec
 from dotenv import dotenv_values
 
 from app.origin import normalize_origin
+from compat.unknown_fields import UnknownFields
 from engine.device import parse_dtype
 from engine.faults import FAULT_SPEC_PATTERN, parse_fault_rules
 from engine.llm_engine import EngineConfig
@@ -83,6 +84,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     PORT: int = 8000
     LOG_FORMAT: Literal["console", "json"] = "console"
     MAX_BODY_BYTES: int = 1_000_000
+    # A request field the OpenAI endpoints do not know: "ignore" drops it and logs a warning
+    # naming it (vLLM); "reject" answers 400 naming it (OpenAI).
+    UNKNOWN_FIELDS: UnknownFields = "ignore"
     SHUTDOWN_GRACE_S: float = 10.0
     # Tests only, never in production: "<where>:<marker>,..." fails every engine step that
     # schedules a prompt containing <marker>, at "forward" or "step" (engine/faults.py).

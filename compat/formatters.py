@@ -12,7 +12,14 @@ from dataclasses import dataclass
 
 from msgspec import UNSET, UnsetType
 
-from compat.logprobs import chat_logprobs, completion_logprobs
+from compat.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    joined,
+    prompt_logprobs,
+    shifted,
+)
 from compat.response_types import (
     ChatChoice,
     ChatChunkChoice,
@@ -22,6 +29,7 @@ from compat.response_types import (
     ChatResponseMessage,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     FinishReason,
     FunctionCall,
     FunctionCallDelta,
@@ -36,6 +44,7 @@ from engine.events import (
     Finished,
     FinishKind,
     FoldedGeneration,
+    PromptScored,
     TextDelta,
     ToolCall,
     ToolCallDelta,
@@ -81,7 +90,9 @@ def openai_finish_reason(reason: FinishKind) -> FinishReason:
 
 
 class CompletionFormatter:
-    """/v1/completions. A choice's text is its echo (when asked) and its generated text."""
+    """/v1/completions. A choice's text is its echo (when asked) and its generated text; with
+    logprobs, an echo carries its prompt tokens' logprobs and every text offset counts from
+    the start of the choice's text."""
 
     def __init__(
         self,
@@ -90,26 +101,52 @@ class CompletionFormatter:
         *,
         logprobs: bool,
         include_usage: bool,
+        prompt_logprobs: bool = False,
+        usage_so_far: Callable[[], UsageReport] | None = None,
     ) -> None:
         self.meta = meta
         self.token_text = token_text
         self.logprobs = logprobs
         self.include_usage = include_usage
+        # vLLM's continuous_usage_stats: every chunk carries the usage so far.
+        self.usage_so_far = usage_so_far
+        self.prompt_logprobs = prompt_logprobs  # vLLM's per-choice `prompt_logprobs`
+        self._scored: dict[int, PromptScored] = {}  # per choice, until its echo is sent
+        self._echo_length: dict[int, int] = {}  # per choice: its echo's characters
+
+    def _echo_logprobs(
+        self, choice: int, offsets: tuple[int, ...] | list[int]
+    ) -> CompletionLogprobs | None:
+        scored = self._scored.get(choice)
+        if not self.logprobs or scored is None:
+            return None
+        return echo_logprobs(scored, self.token_text, offsets)
 
     def _completion(
         self, choices: list[CompletionChoice], usage: Usage | UnsetType = UNSET
     ) -> Completion:
         meta = self.meta
+        if usage is UNSET and self.usage_so_far is not None:
+            usage = openai_usage(self.usage_so_far())
         return Completion(
             id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=usage
         )
 
     def chunk(self, event: Event) -> Completion | None:
         # No `usage: null` (chat chunks have it): the spec's completion usage is not nullable.
+        if isinstance(event, PromptScored):
+            self._scored[event.choice] = event  # sent with the echo, which comes next
+            return None
         if isinstance(event, TextDelta):
             logprobs = None
-            if self.logprobs and not event.echo:
-                logprobs = completion_logprobs(event.logprobs, self.token_text, event.text_offsets)
+            if event.echo:
+                self._echo_length[event.choice] = len(event.text)
+                logprobs = self._echo_logprobs(event.choice, event.text_offsets)
+            elif self.logprobs:
+                logprobs = shifted(
+                    completion_logprobs(event.logprobs, self.token_text, event.text_offsets),
+                    self._echo_length.get(event.choice, 0),
+                )
             choice = CompletionChoice(index=event.choice, text=event.text, logprobs=logprobs)
             return self._completion([choice])
         if isinstance(event, Finished):
@@ -123,19 +160,27 @@ class CompletionFormatter:
 
     def response(self, folded: FoldedGeneration) -> Completion:
         return self._completion(
-            [
-                CompletionChoice(
-                    index=c.index,
-                    text=c.echo + c.text,
-                    logprobs=completion_logprobs(c.logprobs, self.token_text, c.text_offsets)
-                    if self.logprobs
-                    else None,
-                    finish_reason=openai_finish_reason(c.finish_reason),
-                )
-                for c in folded.choices
-            ],
-            usage=openai_usage(folded.usage),
+            [self._choice(c) for c in folded.choices], usage=openai_usage(folded.usage)
         )
+
+    def _choice(self, c: ChoiceResult) -> CompletionChoice:
+        logprobs = None
+        if self.logprobs:
+            logprobs = shifted(
+                completion_logprobs(c.logprobs, self.token_text, c.text_offsets), len(c.echo)
+            )
+            if c.echo and c.prompt is not None:
+                echo = echo_logprobs(c.prompt, self.token_text, c.echo_offsets)
+                logprobs = joined(echo, logprobs)
+        choice = CompletionChoice(
+            index=c.index,
+            text=c.echo + c.text,
+            logprobs=logprobs,
+            finish_reason=openai_finish_reason(c.finish_reason),
+        )
+        if self.prompt_logprobs and c.prompt is not None:
+            choice.prompt_logprobs = prompt_logprobs(c.prompt, self.token_text)
+        return choice
 
 
 class ChatFormatter:
@@ -150,21 +195,29 @@ class ChatFormatter:
         *,
         logprobs: bool,
         include_usage: bool,
+        prompt_logprobs: bool = False,
+        usage_so_far: Callable[[], UsageReport] | None = None,
     ) -> None:
         self.meta = meta
         self.token_text = token_text
         self.token_bytes = token_bytes
         self.logprobs = logprobs
         self.include_usage = include_usage
+        # vLLM's continuous_usage_stats: every chunk carries the usage so far.
+        self.usage_so_far = usage_so_far
+        self.prompt_logprobs = prompt_logprobs  # vLLM's top-level `prompt_logprobs`
 
     def _chunk(
         self, choices: list[ChatChunkChoice], usage: Usage | None = None
     ) -> ChatCompletionChunk:
-        """With include_usage every chunk has `usage`, null until the last."""
+        """With include_usage every chunk has `usage`, null until the last; with continuous
+        usage, the usage so far."""
         meta = self.meta
+        if usage is None and self.usage_so_far is not None:
+            usage = openai_usage(self.usage_so_far())
         return ChatCompletionChunk(
             id=meta.id, created=meta.created, model=meta.model, choices=choices,
-            usage=usage if self.include_usage else UNSET,
+            usage=usage if self.include_usage or usage is not None else UNSET,
         )  # fmt: skip
 
     def opening(self, num_choices: int) -> list[ChatCompletionChunk]:
@@ -196,13 +249,17 @@ class ChatFormatter:
 
     def response(self, folded: FoldedGeneration) -> ChatCompletion:
         meta = self.meta
-        return ChatCompletion(
+        response = ChatCompletion(
             id=meta.id,
             created=meta.created,
             model=meta.model,
             choices=[self._choice(c) for c in folded.choices],
             usage=openai_usage(folded.usage),
         )
+        scored = folded.choices[0].prompt if folded.choices else None
+        if self.prompt_logprobs and scored is not None:  # one prompt for every choice
+            response.prompt_logprobs = prompt_logprobs(scored, self.token_text)
+        return response
 
     def _choice(self, c: ChoiceResult) -> ChatChoice:
         calls = [tool_call_response(t) for t in c.tool_calls]

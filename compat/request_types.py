@@ -2,9 +2,10 @@
 
 Field names and ranges follow the OpenAI spec (CreateCompletionRequest,
 CreateChatCompletionRequest) plus vLLM's sampling extensions. As in vLLM, a field we do not
-know is a 400 naming it. A field we know but cannot honour (images, audio, the legacy
-`functions`, ...) is also a 400 naming it, unless its value asks for nothing (null, `"none"`, the
-default) - a request is never served while silently dropping what it asked for.
+know is ignored and logged by its JSON path (compat.unknown_fields), or, with
+UNKNOWN_FIELDS=reject, a 400 naming it. A field we know but cannot honour (images, audio, the
+legacy `functions`, ...) is always a 400 naming it, unless its value asks for nothing (null,
+`"none"`, the default) - a request is never served while silently dropping what it asked for.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgspec
+import structlog
 from msgspec import Meta
 
 from compat.errors import (
@@ -38,6 +40,9 @@ from compat.tools import (
     check_tool_messages,
     check_tools,
 )
+from compat.unknown_fields import UnknownFields, drop_unknown_fields
+
+log = structlog.get_logger(__name__)
 
 TokenId = Annotated[int, Meta(ge=0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
@@ -61,6 +66,8 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool | None = None
     # OpenAI pads chunks against a side channel; we never add padding, so either value is fine.
     include_obfuscation: bool | None = None
+    # vLLM's extension: every chunk carries the usage so far.
+    continuous_usage_stats: bool | None = None
 
 
 class _SamplingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -90,6 +97,9 @@ class _SamplingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     priority: int | None = None  # lower is more urgent
     cache_salt: Annotated[str, Meta(min_length=1)] | None = None
     structured_outputs: StructuredOutputs | None = None  # grammar-constrained output
+    # The logprobs of the prompt's own tokens, with this many alternatives each; the response
+    # carries them as `prompt_logprobs` (non-streamed only, as in vLLM).
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
 
     @property
     def is_stream(self) -> bool:
@@ -99,6 +109,12 @@ class _SamplingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk of a stream carries the usage so far (vLLM's extension)."""
+        options = self.stream_options
+        return bool(self.stream and options and options.continuous_usage_stats)
 
     @property
     def num_choices(self) -> int:
@@ -113,7 +129,8 @@ Prompt = str | list[str | TokenId | list[TokenId]] | None
 class CompletionRequest(_SamplingRequest, kw_only=True, forbid_unknown_fields=True):
     # Required but nullable in the spec; null means "from the start of a document" (just BOS).
     prompt: Prompt
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    # 0 with `echo` (or prompt_logprobs): score the prompt and generate nothing.
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None
     echo: bool | None = None
     best_of: NumChoices | None = None
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
@@ -156,9 +173,11 @@ def _check_completion(req: CompletionRequest) -> None:
             req.best_of,
             f"best_of must equal n ({req.num_choices}); candidates are not ranked server-side.",
         )
-    if req.echo and req.logprobs is not None:
-        raise unsupported_parameter(
-            "echo", "echo cannot be combined with logprobs: prompt logprobs are not computed."
+    if req.max_tokens == 0 and not req.echo and req.prompt_logprobs is None:
+        raise invalid_value(
+            "max_tokens",
+            "'max_tokens' must be at least 1, or 0 with 'echo' or 'prompt_logprobs' to score "
+            "the prompt alone.",
         )
 
 
@@ -265,6 +284,8 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True, forbid_unknown_field
     moderation: Refused = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: Refused = None
+    # vLLM's extension: extra variables for the checkpoint's chat template.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     prompt_param: ClassVar[str] = "messages"
 
@@ -325,6 +346,12 @@ def _check_chat(req: ChatCompletionRequest) -> None:
 def _check_sampling_request(req: _SamplingRequest) -> None:
     if req.structured_outputs is not None:
         check_structured_outputs(req.structured_outputs)
+    if req.prompt_logprobs is not None and req.stream:
+        raise unsupported_parameter(
+            "prompt_logprobs",
+            "prompt_logprobs are only returned without streaming; a completion's echo with "
+            "logprobs streams them.",
+        )
     if req.stream_options is not None and not req.stream:
         raise invalid_value(
             "stream_options",
@@ -345,6 +372,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # as in a chat request
 
 
 def _check_tokenize(req: TokenizeRequest) -> None:
@@ -366,39 +394,54 @@ T = TypeVar("T")
 Body = bytes | str | dict[str, Any]
 
 
-def _decode(body: Body, type_: type[T]) -> T:
-    """JSON bytes/str, or an already-parsed dict (e.g. one WebSocket message), to `type_`."""
+def _decode(body: Body, type_: type[T], unknown_fields: UnknownFields) -> T:
+    """JSON bytes/str, or an already-parsed dict (e.g. one WebSocket message), to `type_`.
+    Unknown fields are dropped and logged once, or (reject) a 400 naming the first."""
     try:
-        if isinstance(body, dict):
-            return msgspec.convert(body, type_)
-        return msgspec.json.decode(body, type=type_)
+        if unknown_fields == "reject":
+            if isinstance(body, dict):
+                return msgspec.convert(body, type_)
+            return msgspec.json.decode(body, type=type_)
+        parsed = body if isinstance(body, dict) else msgspec.json.decode(body)
+        known, dropped = drop_unknown_fields(parsed, type_)
+        if dropped:
+            log.warning("unknown fields ignored", fields=dropped)
+        return msgspec.convert(known, type_)
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
         raise from_decode_error(exc) from None
     except RecursionError:  # deep nesting inside a field typed Any (metadata, tool_calls, ...)
         raise too_deeply_nested() from None
 
 
-def decode_completion_request(body: Body) -> CompletionRequest:
+def decode_completion_request(
+    body: Body, unknown_fields: UnknownFields = "ignore"
+) -> CompletionRequest:
     """Parse and validate a /v1/completions body; raises ApiError (400) naming the field."""
-    req = _decode(body, CompletionRequest)
+    req = _decode(body, CompletionRequest, unknown_fields)
     _check_sampling_request(req)
     _check_completion(req)
     return req
 
 
-def decode_chat_completion_request(body: Body) -> ChatCompletionRequest:
+def decode_chat_completion_request(
+    body: Body, unknown_fields: UnknownFields = "ignore"
+) -> ChatCompletionRequest:
     """Parse and validate a /v1/chat/completions body; raises ApiError (400) naming the field."""
-    req = _decode(body, ChatCompletionRequest)
+    req = _decode(body, ChatCompletionRequest, unknown_fields)
     _check_sampling_request(req)
     _check_chat(req)
     return req
 
 
-def decode_tokenize_request(body: Body) -> TokenizeRequest:
-    req = _decode(body, TokenizeRequest)
+def decode_tokenize_request(
+    body: Body, unknown_fields: UnknownFields = "ignore"
+) -> TokenizeRequest:
+    req = _decode(body, TokenizeRequest, unknown_fields)
     _check_tokenize(req)
     return req
 
 
-def decode_detokenize_request(body: Body) -> DetokenizeRequest:
-    return _decode(body, DetokenizeRequest)
+def decode_detokenize_request(
+    body: Body, unknown_fields: UnknownFields = "ignore"
+) -> DetokenizeRequest:
+    return _decode(body, DetokenizeRequest, unknown_fields)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -271,8 +272,13 @@ def test_decode_accepts_parsed_dict_and_str():
         ),
     ],
 )
-def test_chat_decode_errors(body, param, code, message):
-    err = refused(decode_chat_completion_request, body)
+@pytest.mark.parametrize("unknown_fields", ["ignore", "reject"])
+def test_chat_decode_errors(body, param, code, message, unknown_fields):
+    decode = functools.partial(decode_chat_completion_request, unknown_fields=unknown_fields)
+    if code == "unknown_parameter" and unknown_fields == "ignore":
+        decode(body)  # the unknown field is dropped (tests/test_unknown_fields.py)
+        return
+    err = refused(decode, body)
     assert (err.param, err.code, err.message) == (param, code, message)
 
 
@@ -312,10 +318,11 @@ def test_chat_decode_errors(body, param, code, message):
             "Invalid value for 'logprobs': expected integer <= 5.",
         ),
         (
-            {"max_tokens": 0},
+            {"max_tokens": 0},  # 0 only scores a prompt (echo, prompt_logprobs)
             "max_tokens",
             "invalid_value",
-            "Invalid value for 'max_tokens': expected integer >= 1.",
+            "'max_tokens' must be at least 1, or 0 with 'echo' or 'prompt_logprobs' to score "
+            "the prompt alone.",
         ),
         (
             {"stream_options": {"include_usage": True}},
@@ -337,8 +344,13 @@ def test_chat_decode_errors(body, param, code, message):
         ),
     ],
 )
-def test_completion_decode_errors(fields, param, code, message):
-    err = refused(decode_completion_request, completion(**fields))
+@pytest.mark.parametrize("unknown_fields", ["ignore", "reject"])
+def test_completion_decode_errors(fields, param, code, message, unknown_fields):
+    decode = functools.partial(decode_completion_request, unknown_fields=unknown_fields)
+    if code == "unknown_parameter" and unknown_fields == "ignore":
+        decode(completion(**fields))  # the unknown field is dropped
+        return
+    err = refused(decode, completion(**fields))
     assert (err.param, err.code, err.message) == (param, code, message)
 
 
@@ -506,13 +518,6 @@ def test_assistant_message_without_content_is_refused():
             "unsupported_value",
             "Unsupported value: 'best_of' does not support 2 on this server: "
             "best_of must equal n (1); candidates are not ranked server-side.",
-        ),
-        (
-            {"echo": True, "logprobs": 0},
-            "echo",
-            "unsupported_parameter",
-            "Unsupported parameter: 'echo' is not supported by this server: "
-            "echo cannot be combined with logprobs: prompt logprobs are not computed.",
         ),
     ],
 )
