@@ -19,6 +19,7 @@ from litestar.openapi import OpenAPIConfig
 
 from app import routes_openai, routes_ops, routes_ws
 from app.errors import EXCEPTION_HANDLERS
+from app.json_only import json_only_guard
 from app.logging import configure_logging
 from app.origin import websocket_origin_guard
 from app.server import ServerState, build_server_state
@@ -76,6 +77,8 @@ def _routes_app(
         ],
         lifespan=lifespan,
         exception_handlers=EXCEPTION_HANDLERS,
+        # Writes must declare JSON, which a cross-site page cannot send unasked (app/json_only.py).
+        guards=[json_only_guard],
         before_request=_bind_request_id,
         request_max_body_size=settings.MAX_BODY_BYTES,
         openapi_config=OpenAPIConfig(title="gemma-serve", version="0.1.0", path="/schema"),

@@ -119,6 +119,18 @@ def request_too_large(limit_bytes: int) -> ApiError:
     )
 
 
+def unsupported_media_type(got: str | None) -> ApiError:
+    """415: a body that does not say it is JSON (what a cross-site form or text/plain fetch
+    sends); the message says what to send instead."""
+    what = repr(got) if got else "no Content-Type header"
+    return ApiError(
+        f"Content-Type must be application/json; got {what}. Send the body as JSON with the "
+        "header `Content-Type: application/json` (curl: -H 'Content-Type: application/json').",
+        status=415,
+        code="unsupported_media_type",
+    )
+
+
 def rate_limited(message: str, retry_after_s: int) -> ApiError:
     return ApiError(
         message,

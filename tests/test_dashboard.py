@@ -114,7 +114,7 @@ def test_dashboard_shows_live_metrics_and_drives_the_load_generator(server, tmp_
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
             print("screenshot:", tmp_path / "dashboard.png")
         finally:
-            httpx.post(server.base_url + "/api/loadgen/stop", timeout=30)
+            httpx.post(server.base_url + "/api/loadgen/stop", json={}, timeout=30)
     assert page_errors == []
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
 
