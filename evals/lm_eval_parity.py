@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from evals.harness import RESULTS, running_server, write_results
+from evals.harness import RESULTS, cpu_name, running_server, write_results
 from evals.plots import bar_chart
 
 DATASET = Path(__file__).resolve().parent / "data" / "mc_questions.jsonl"
@@ -131,6 +131,7 @@ def main() -> None:
     reference = run_lm_eval("hf", hf_args(checkpoint), args.limit)
     report: dict[str, Any] = {
         "task": TASK,
+        "cpu": cpu_name(),
         "documents": len({doc for doc, _ in reference.logliks}),
         "reference": {"model": "lm-eval hf, float32", "accuracy": reference.accuracy},
         "modes": {},
