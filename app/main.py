@@ -17,7 +17,7 @@ import structlog
 from litestar import Litestar, Request, Router
 from litestar.openapi import OpenAPIConfig
 
-from app import routes_openai, routes_ops, routes_ws
+from app import routes_openai, routes_ops, routes_responses, routes_ws
 from app.errors import EXCEPTION_HANDLERS
 from app.json_only import json_only_guard
 from app.logging import configure_logging
@@ -70,6 +70,7 @@ def _routes_app(
     return Litestar(
         route_handlers=[
             *routes_openai.ROUTES,
+            *routes_responses.ROUTES,
             *routes_ops.ROUTES,
             # The Origin check guards the socket's handshake (cross-site WebSocket hijacking).
             Router("/", route_handlers=routes_ws.ROUTES, guards=[websocket_origin_guard]),

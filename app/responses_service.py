@@ -203,7 +203,7 @@ class ResponsesService:
             previous_response_id=req.previous_response_id,
             max_output_tokens=req.max_output_tokens,
             max_tool_calls=req.max_tool_calls,
-            user=req.user,
+            user=msgspec.UNSET if req.user is None else req.user,
             safety_identifier=req.safety_identifier,
             prompt_cache_key=req.prompt_cache_key,
         )
@@ -332,7 +332,7 @@ def _input_items(req: CreateResponseRequest) -> list[dict[str, object]]:
             )
             if item.role == "assistant":
                 for p in parts:
-                    p["annotations"] = []
+                    p |= {"annotations": [], "logprobs": []}
             entry |= {"id": item.id or new_item_id("msg"), "role": item.role,
                       "content": parts, "status": item.status or "completed"}  # fmt: skip
         elif kind == "function_call":

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import structlog
 
 from app.generation import GenerationService
+from app.response_store import ResponseStore
+from app.responses_service import ResponsesService
 from app.settings import Settings
 from compat.structured import JsonStyle
 from engine.async_engine import AsyncEngine
@@ -28,6 +30,7 @@ class ServerState:
     metrics: ServingMetrics
     model_id: str
     created: int
+    responses: ResponsesService  # /v1/responses and its stored responses
 
 
 def build_server_state(settings: Settings, created: int) -> ServerState:
@@ -80,6 +83,13 @@ def build_server_state(settings: Settings, created: int) -> ServerState:
         block_size=settings.KV_BLOCK_SIZE,
         policy=settings.SCHEDULING_POLICY,
     )
-    return ServerState(
-        settings, async_engine, service, async_engine.metrics, engine.model_id, created
+    store = ResponseStore(
+        settings.RESPONSES_MAX_STORED_PER_TENANT,
+        settings.RESPONSES_MAX_STORED,
+        settings.RESPONSES_IDLE_S,
+        release_pin=async_engine.end_session,  # a chain's latest response gone: its KV pin too
     )
+    return ServerState(
+        settings, async_engine, service, async_engine.metrics, engine.model_id, created,
+        ResponsesService(service, store),
+    )  # fmt: skip

@@ -54,6 +54,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     # is needed; released KV stays reclaimable in the prefix cache.
     SESSION_KV_QUOTA_TOKENS: Annotated[int, msgspec.Meta(ge=0)] = 16384
     SESSION_KV_IDLE_S: Annotated[float, msgspec.Meta(ge=0)] = 300.0
+    # Stored responses (/v1/responses, store true): at most this many per tenant and in all,
+    # least recently used dropped first, and none kept past this many idle seconds.
+    RESPONSES_MAX_STORED_PER_TENANT: Annotated[int, msgspec.Meta(ge=1)] = 256
+    RESPONSES_MAX_STORED: Annotated[int, msgspec.Meta(ge=1)] = 10000
+    RESPONSES_IDLE_S: Annotated[float, msgspec.Meta(ge=0)] = 3600.0
     # Tenants come from the `user` field without keys, so a client can name one per request:
     # an idle tenant's counters and service are forgotten after TENANT_IDLE_S, or least
     # recently active first beyond MAX_IDLE_TENANTS; per-tenant Prometheus series and TTFT

@@ -306,8 +306,8 @@ class Response(msgspec.Struct, kw_only=True):
     service_tier: Literal["default"] = "default"
     truncation: Literal["disabled"] = "disabled"
     background: bool = False
-    usage: ResponseUsage | None = None
-    user: str | None = None
+    usage: ResponseUsage | UnsetType = UNSET  # not nullable: absent until the response ends
+    user: str | UnsetType = UNSET  # not nullable in the spec
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
 
