@@ -221,6 +221,12 @@ def too_deeply_nested(what: str = "the JSON body of your request") -> ApiError:
     return ApiError(f"We could not parse {what}: it is nested too deeply.", code="invalid_json")
 
 
+def is_unknown_field_error(exc: msgspec.ValidationError) -> bool:
+    """Whether msgspec refused the body for a field its type does not declare."""
+    match = _AT_PATH.match(str(exc))
+    return match is not None and _UNKNOWN.match(match["detail"]) is not None
+
+
 def from_decode_error(exc: msgspec.DecodeError) -> ApiError:
     """Turn a msgspec decode/validation error into a 400 that names the offending field."""
     if not isinstance(exc, msgspec.ValidationError):

@@ -20,6 +20,7 @@ from compat.errors import (
     ApiError,
     from_decode_error,
     invalid_value,
+    is_unknown_field_error,
     too_deeply_nested,
     unsupported_parameter,
     unsupported_value,
@@ -398,14 +399,18 @@ def _decode(body: Body, type_: type[T], unknown_fields: UnknownFields) -> T:
     """JSON bytes/str, or an already-parsed dict (e.g. one WebSocket message), to `type_`.
     Unknown fields are dropped and logged once, or (reject) a 400 naming the first."""
     try:
-        if unknown_fields == "reject":
+        # The typed decode first: the common case, and its errors name the field's path
+        # (a number out of range, nesting too deep); an untyped parse cannot.
+        try:
             if isinstance(body, dict):
                 return msgspec.convert(body, type_)
             return msgspec.json.decode(body, type=type_)
+        except msgspec.ValidationError as exc:
+            if unknown_fields == "reject" or not is_unknown_field_error(exc):
+                raise
         parsed = body if isinstance(body, dict) else msgspec.json.decode(body)
         known, dropped = drop_unknown_fields(parsed, type_)
-        if dropped:
-            log.warning("unknown fields ignored", fields=dropped)
+        log.warning("unknown fields ignored", fields=dropped)
         return msgspec.convert(known, type_)
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
         raise from_decode_error(exc) from None

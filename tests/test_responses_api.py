@@ -184,7 +184,9 @@ def test_json_schema_text_format(client: openai.OpenAI) -> None:
 def test_required_function_call_then_its_output_chained(client: openai.OpenAI) -> None:
     raw = client.responses.with_raw_response.create(
         model=MODEL_ID, input="What is the weather in Paris?", tools=[WEATHER_TOOL],
-        tool_choice="required", max_output_tokens=64,
+        # One call, greedy, with room to finish it: up to MAX_TOOL_CALLS sampled calls could
+        # outrun the budget and end as `incomplete` with no call.
+        tool_choice="required", parallel_tool_calls=False, temperature=0, max_output_tokens=128,
     )  # fmt: skip
     validate(raw.http_response.json(), "Response")
     first = raw.parse()

@@ -477,13 +477,3 @@ class GemmaForCausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        step: PagedAttentionStep,
-        logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """Logits [N, vocab] float32 for the rows `logits_indices` of the flattened batch."""
-        return self.logits(self.hidden_states(input_ids, positions, step, logits_indices))
