@@ -197,3 +197,30 @@ def test_real_model_hf_backend_matches_custom(real):
     ]
     for seq in prompts:
         assert all(torch.equal(a, b) for a, b in zip(results[0][seq], results[1][seq], strict=True))
+
+
+@pytest.mark.parametrize("weights", ["auto", "fp32", "bf16", "bf16-int8head", "int8"])
+def test_both_backends_take_every_weights_mode(setup, weights):
+    """Every WEIGHTS mode this CPU offers builds under both backends, with the same kernel for
+    the layers and for the LM head (bf16-int8head splits them), and they agree."""
+    from engine.model.linear_kernels import body_and_head, has_bf16, kernel_for
+
+    if weights.startswith("bf16") and not has_bf16():
+        pytest.skip("this CPU has no oneDNN bfloat16 GEMM")
+    _, config, _, weights_dict = setup
+    kernel = kernel_for(weights, "fast", CPU)
+    backends = [cls(config, weights_dict, CPU, torch.float32, 256, kernel) for cls in
+                (CustomBackend, HFBackend)]  # fmt: skip
+    head_kernel = body_and_head(kernel)[1]
+    heads = [backends[0].model.fast_head, backends[1].model.get_output_embeddings()]
+    if head_kernel not in ("exact", "packed"):
+        assert type(heads[0]) is type(heads[1])
+    # Each near its own exact forward (transformers' Gemma 3 ignores the attention softcap,
+    # so the two backends are compared each with itself).
+    tokens = prompt(12, seed=40, vocab=config.vocab_size)
+    for backend in backends:
+        exact = type(backend)(config, weights_dict, CPU, torch.float32, 256)
+        got, want = (PagedDriver(b).step({0: tokens}, all_logits=True)[0][0]
+                     for b in (backend, exact))  # fmt: skip
+        # Tiny random weights amplify quantization error: bounded loosely, on average.
+        assert (got - want).abs().mean() < 0.1

@@ -100,7 +100,7 @@ class HFBackend(InferenceBackend):
                 f"weights do not match the config: missing {missing}, unexpected {unexpected}"
             )
         model = model.to(device).eval().requires_grad_(False)
-        quantize_model(model, kernel)  # every projection and the LM head, as in `custom`
+        quantize_model(model, kernel, head=model.get_output_embeddings())  # as in `custom`
         self.model = model
         self.kv_sources = tuple(spec.kv_source for spec in arch.layers)
 

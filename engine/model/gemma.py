@@ -186,7 +186,7 @@ class Attention(nn.Module):
                 values = self.v_norm(values)
             step.write(spec.index, keys, values)
         out = step.attend(spec.kv_source, query, self.scaling, self.softcap)
-        return self.o_proj(out.view(x.shape[0], -1))
+        return self.o_proj(out.reshape(x.shape[0], -1))
 
 
 class MLP(nn.Module):

@@ -429,13 +429,16 @@ def make_fused_mlp(
     return BFloat16GatedMLP(gate, up, down) if kernel == "bf16" else None
 
 
-def quantize_model(model: nn.Module, kernel: str) -> None:
-    """Replace every bias-free `nn.Linear` under `model` with `kernel`'s module, in place."""
+def quantize_model(model: nn.Module, kernel: str, head: nn.Module | None = None) -> None:
+    """Replace every bias-free `nn.Linear` under `model` with `kernel`'s module, in place; the
+    LM head `head`, where given, with the head's kernel of a split kernel (body_and_head)."""
     if kernel == "exact":
         return
+    body_kernel, head_kernel = body_and_head(kernel)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 if child.bias is not None:
                     raise ValueError(f"{name}: linear layers with a bias are not supported")
-                setattr(parent, name, make_linear(kernel, child.weight))
+                chosen = head_kernel if child is head else body_kernel
+                setattr(parent, name, make_linear(chosen, child.weight))
