@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from engine.request import Sequence, TokenLogprob
+from engine.sampler import token_logprobs
 
 # Rows of logits made at once: 32 rows of a 262,144-token vocabulary are 32 MiB in float32.
 SLICE_ROWS = 32
@@ -45,28 +46,11 @@ def reduce_prompt_logprobs(
     (`logits_of`, [r, H] -> [r, vocab] float32) at `targets[row]`, that token's rank (1 for
     the most likely) and the row's `top[row]` most likely tokens."""
     out: list[TokenLogprob] = []
-    most = max(top, default=0)
     for begin in range(0, hidden.shape[0], SLICE_ROWS):
         end = min(begin + SLICE_ROWS, hidden.shape[0])
         rows = hidden[begin:end]
         if end - begin < SLICE_ROWS:
             rows = torch.cat([rows, rows[-1:].expand(SLICE_ROWS - (end - begin), -1)])
         logprobs = torch.log_softmax(logits_of(rows)[: end - begin], dim=-1)
-        wanted = targets[begin:end].to(logprobs.device)[:, None]
-        chosen = logprobs.gather(1, wanted)
-        ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
-        values = chosen.squeeze(1).tolist()
-        best = logprobs.topk(most, dim=-1) if most else None
-        best_ids = best.indices.tolist() if best is not None else [[]] * (end - begin)
-        best_values = best.values.tolist() if best is not None else [[]] * (end - begin)
-        for j in range(end - begin):
-            k = top[begin + j]
-            out.append(
-                TokenLogprob(
-                    token_id=int(targets[begin + j]),
-                    logprob=values[j],
-                    top=list(zip(best_ids[j][:k], best_values[j][:k], strict=True)),
-                    rank=ranks[j],
-                )
-            )
+        out += token_logprobs(logprobs, targets[begin:end], top[begin:end], rank=True)
     return out

@@ -520,16 +520,38 @@ def _logprobs(
     if not wanted:
         return result
     index = _index(wanted, logits.device)
-    logprobs = torch.log_softmax(logits[index], dim=-1)
-    chosen = logprobs.gather(1, token_ids[index][:, None]).squeeze(1).tolist()
-    most = max(rows[i].params.logprobs or 0 for i in wanted)
-    top = logprobs.topk(most, dim=-1)
-    top_values, top_ids = top.values.tolist(), top.indices.tolist()
-    for j, i in enumerate(wanted):
-        k = rows[i].params.logprobs or 0
-        result[i] = TokenLogprob(
-            token_id=ids[i],
-            logprob=chosen[j],
-            top=list(zip(top_ids[j][:k], top_values[j][:k], strict=True)),
-        )
+    entries = token_logprobs(
+        torch.log_softmax(logits[index], dim=-1),
+        token_ids[index],
+        [rows[i].params.logprobs or 0 for i in wanted],
+    )
+    for i, entry in zip(wanted, entries, strict=True):
+        result[i] = entry
     return result
+
+
+def token_logprobs(
+    logprobs: torch.Tensor, targets: torch.Tensor, top: Sequence[int], *, rank: bool = False
+) -> list[TokenLogprob]:
+    """Per row of `logprobs` ([R, vocab] log-softmax): the logprob of `targets[row]`, the
+    row's `top[row]` most likely tokens and, with `rank`, the target's rank (1: the most
+    likely; a pass over the vocabulary, so only where asked)."""
+    chosen = logprobs.gather(1, targets.to(logprobs.device)[:, None])
+    values = chosen.squeeze(1).tolist()
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist() if rank else [None] * len(values)
+    most = max(top, default=0)
+    best_ids: list[list[int]] = [[] for _ in values]
+    best_values: list[list[float]] = [[] for _ in values]
+    if most:
+        best = logprobs.topk(most, dim=-1)
+        best_ids, best_values = best.indices.tolist(), best.values.tolist()
+    target_ids = targets.tolist()
+    return [
+        TokenLogprob(
+            token_id=target_ids[j],
+            logprob=values[j],
+            top=list(zip(best_ids[j][:k], best_values[j][:k], strict=True)),
+            rank=ranks[j],
+        )
+        for j, k in enumerate(top)
+    ]
