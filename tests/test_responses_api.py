@@ -19,16 +19,8 @@ from pydantic import BaseModel, Field
 
 from tests.conftest import MODEL_ID, RunningServer, start_server, stop_server
 from tests.openapi_schema import validate
+from tests.test_tools_clients import WEATHER_PARAMETERS  # the chat tests' tool, flat here
 
-WEATHER_PARAMETERS = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 20},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 WEATHER_TOOL: FunctionToolParam = {
     "type": "function",
     "name": "get_weather",
