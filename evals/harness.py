@@ -314,11 +314,17 @@ def pct(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def summarize(timings: list[RequestTiming], elapsed: float) -> dict:
+def summarize(
+    timings: list[RequestTiming], elapsed: float, expected_tokens: int | None = None
+) -> dict:
+    """Throughput and per-request latency percentiles of one closed-loop run: TTFT from sending
+    to the first token; TPOT per request, (end - first token) / (tokens - 1), over requests with
+    two tokens or more. With `expected_tokens` (max_tokens with EOS ignored), also how many
+    requests completed with all of them and how many ended short."""
     ttft = [t.ttft_s for t in timings]
     tpot = [t.tpot_s for t in timings if t.tpot_s is not None]
     tokens = sum(t.output_tokens for t in timings)
-    return {
+    summary = {
         "requests": len(timings),
         "output_tokens": tokens,
         "elapsed_s": round(elapsed, 3),
@@ -328,6 +334,11 @@ def summarize(timings: list[RequestTiming], elapsed: float) -> dict:
         "tpot_p50_s": round(pct(tpot, 50), 4),
         "tpot_p95_s": round(pct(tpot, 95), 4),
     }
+    if expected_tokens is not None:
+        complete = sum(t.output_tokens >= expected_tokens for t in timings)
+        summary["completed_requests"] = complete
+        summary["short_requests"] = len(timings) - complete
+    return summary
 
 
 def machine() -> dict:
