@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from engine.model import cpu_ops
 from engine.model.linear_kernels import (
+    OUTPUT_SLICE,
     PACKED_BF16_MAX_ROWS,
     PACKED_INT8_MAX_ROWS,
     BFloat16GatedMLP,
@@ -17,6 +18,8 @@ from engine.model.linear_kernels import (
     OneDNNInt8Linear,
     PackedLinear,
     _alternate_tiles,
+    has_amx,
+    int8_weight_max,
     warm_up,
 )
 from tests.conftest import needs_bf16
@@ -209,3 +212,31 @@ def test_bf16_modules_single_row_against_onednn(dtype: torch.dtype) -> None:
     for ours, theirs in zip(packed, onednn, strict=True):
         assert ours.dtype == dtype
         assert bf16_ulps(ours.bfloat16(), theirs.bfloat16()) <= 1
+
+
+@pytest.mark.skipif(not has_amx(), reason="oneDNN's int8 and bfloat16 kernels need AMX here")
+@pytest.mark.parametrize("rows", [5, 40])
+def test_large_matrices_run_in_output_slices(rows: int) -> None:
+    """A matrix wider than two slices (the LM head) runs as several oneDNN calls whose columns
+    land in place: the int8 module matches its integers by hand, the bfloat16 one a float64
+    product of the bfloat16-rounded operands, rounded to bfloat16 as oneDNN's output is."""
+    outputs, inputs = 2 * OUTPUT_SLICE + 37, 64
+    weight, x = random(outputs, inputs, seed=31) * 0.05, random(rows, inputs, seed=32)
+    int8 = OneDNNInt8Linear(weight)
+    int8.tiles = None  # oneDNN at every row count
+    assert len(int8.slices) == 3
+    integers, scales = int8_integers(weight)
+    expected = int8_reference(x, integers, scales / 127)
+    torch.testing.assert_close(int8(x), expected, rtol=1e-6, atol=1e-6)
+    bf16 = BFloat16Linear(weight)
+    assert len(bf16.slices) == 3
+    product = (x.bfloat16().double() @ weight.bfloat16().double().T).bfloat16().float()
+    torch.testing.assert_close(bf16(x), product, rtol=8e-3, atol=1e-6)  # a bfloat16 step
+
+
+def int8_integers(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 weights OneDNNInt8Linear keeps, each output row at int8_weight_max over its
+    largest magnitude, and each row's scale back to the weights."""
+    top = int8_weight_max()
+    scales = (weight.abs().amax(dim=1) / top).clamp(min=1e-8)
+    return (weight / scales[:, None]).round().clamp(-top, top).to(torch.int8), scales

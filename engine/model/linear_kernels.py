@@ -179,6 +179,20 @@ class PackedLinear(nn.Module):
         return out[: x.numel() // self.in_features].view(shape)
 
 
+# Output columns per oneDNN call of a large matrix (the LM head). Its output in one call, [rows,
+# 262,144] float32, is 64 MiB at 64 rows and leaves the cache before anything reads it again;
+# in slices, each slice is rounded or rescaled while still cached and the weights are still
+# read once per call (evals/bench_kernels.py, "LM head by output slices").
+OUTPUT_SLICE = 16384
+
+
+def output_slices(weight: torch.Tensor) -> list[torch.Tensor]:
+    """`weight`'s output rows in slices of OUTPUT_SLICE (one slice for a small matrix)."""
+    if weight.shape[0] <= 2 * OUTPUT_SLICE:
+        return [weight]
+    return [part.contiguous() for part in weight.split(OUTPUT_SLICE)]
+
+
 # Rows up to which the bfloat16 layers run cpu_ops' packed kernels rather than oneDNN's: one,
 # a single stream's decode step, where reading the weights is all the time there is and the
 # packed kernel read a layer's in 27% less time (evals/bench_kernels.py). With more rows oneDNN
@@ -214,7 +228,10 @@ class BFloat16Linear(nn.Module):
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16().contiguous())
+        self.slices = [
+            torch.ops.mkldnn._reorder_linear_weight(part.bfloat16().contiguous())
+            for part in output_slices(weight)
+        ]
         self.tiles = _bf16_tiles(weight)
         self.bf16_out = False  # set by GemmaForCausalLM.fuse
 
@@ -226,8 +243,18 @@ class BFloat16Linear(nn.Module):
             out = cpu_ops.packed_linear(rows, self.tiles, self.out_features, bf16_out=True)
             return out.to(dtype).view(shape)
         rows = padded_rows(x, self.in_features, torch.bfloat16)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")
-        return out[: x.numel() // self.in_features].to(dtype).view(shape)
+        real = x.numel() // self.in_features
+        linear = torch.ops.mkldnn._linear_pointwise
+        if len(self.slices) == 1:
+            out = linear(rows, self.slices[0], None, "none", [], "")
+            return out[:real].to(dtype).view(shape)
+        out = x.new_empty((real, self.out_features), dtype=dtype)
+        start = 0
+        for packed in self.slices:
+            part = linear(rows, packed, None, "none", [], "")
+            out[:, start : start + part.shape[1]] = part[:real]
+            start += part.shape[1]
+        return out.view(shape)
 
 
 class BFloat16GatedMLP(nn.Module):
@@ -347,8 +374,12 @@ class OneDNNInt8Linear(nn.Module):
         self.weight_scales = (weight.abs().amax(dim=1) / top).clamp(min=1e-8)
         quantized = (weight / self.weight_scales[:, None]).round_().clamp_(-top, top)
         integers = quantized.to(torch.int8)
-        self.packed = torch.ops.onednn.qlinear_prepack(integers, None)
-        self.zero_points = torch.zeros(self.out_features, dtype=torch.long)
+        self.slices = [
+            (torch.ops.onednn.qlinear_prepack(part, None), scales, torch.zeros_like(scales).long())
+            for part, scales in zip(
+                output_slices(integers), output_slices(self.weight_scales), strict=True
+            )
+        ]
         # The same integers for a few rows (PACKED_INT8_MAX_ROWS) by cpu_ops.packed_int8_linear.
         self.tiles: torch.Tensor | None = None
         if cpu_ops.packed_linear_supported(torch.int8):
@@ -366,12 +397,17 @@ class OneDNNInt8Linear(nn.Module):
         dtype, rows = x.dtype, padded_rows(x, self.in_features, torch.float32)
         row_max = rows.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
         quantized = (rows * (127 / row_max)).round_().to(torch.int8)
-        out = torch.ops.onednn.qlinear_pointwise(
-            quantized, 1 / 127, 0, self.packed, self.weight_scales, self.zero_points,
-            None, 1.0, 0, torch.float32, "none", [], "",
-        )  # fmt: skip
         real = x.numel() // self.in_features
-        out = out[:real].mul_(row_max[:real])
+        out = rows.new_empty((real, self.out_features))
+        start = 0
+        for packed, scales, zero_points in self.slices:
+            part = torch.ops.onednn.qlinear_pointwise(
+                quantized, 1 / 127, 0, packed, scales, zero_points,
+                None, 1.0, 0, torch.float32, "none", [], "",
+            )  # fmt: skip
+            # Scaled while the slice is still in cache, straight into its columns.
+            torch.mul(part[:real], row_max[:real], out=out[:, start : start + part.shape[1]])
+            start += part.shape[1]
         return out.view(*x.shape[:-1], self.out_features).to(dtype)
 
 
