@@ -81,6 +81,7 @@ def build_server_state(settings: Settings, created: int) -> ServerState:
         backend=settings.BACKEND,
         kv_blocks={name: pool.num_total for name, pool in engine.kv.pools.items()},
         block_size=settings.KV_BLOCK_SIZE,
+        max_batch_size=engine.scheduler.max_num_seqs,
         policy=settings.SCHEDULING_POLICY,
     )
     store = ResponseStore(

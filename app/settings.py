@@ -32,7 +32,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     # CPU (fast). auto: bf16 on a CPU with AMX, int8 on other CPUs, DTYPE weights on a GPU.
     WEIGHTS: Literal["auto", "fp32", "bf16", "bf16-int8head", "int8"] = "auto"
     NUMERICS: Literal["exact", "fast"] = "exact"
-    MAX_BATCH_SIZE: int = 32
+    MAX_BATCH_SIZE: int | None = None  # None: from memory and the step budget
     MAX_ACTIVE_KV_TOKENS: int | None = None  # None: sized from memory
     # The KV cache's dtype. auto: bfloat16 under the bf16 / int8 weight kernels, else DTYPE
     # (engine.model.kv_cache.auto_kv_cache_dtype); bfloat16 halves a token's K/V bytes.

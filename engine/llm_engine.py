@@ -31,7 +31,7 @@ from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplingRow
 from engine.sched.admission import AddResult
 from engine.sched.output import SchedulerOutput
-from engine.sched.scheduler import Scheduler, SchedulerConfig
+from engine.sched.scheduler import MAX_AUTO_BATCH, Scheduler, SchedulerConfig
 from engine.step_profile import StepProfile
 from engine.structured.compiler import GrammarCompiler
 
@@ -94,7 +94,6 @@ class LLMEngine:
         self.max_model_len = backend.max_model_len
         num_blocks = _num_kv_blocks(backend, config)
         self.runner = ModelRunner(backend, num_blocks, config.block_size, config.kv_cache_dtype)
-        self._warm_up_kernels()
         quota = config.session_kv_quota_tokens
         self.kv = KVCacheManager(
             self.runner.cache_groups,
@@ -103,6 +102,11 @@ class LLMEngine:
             config.enable_prefix_caching,
             pin_quota_blocks=None if quota is None else quota // config.block_size,
         )
+        if config.scheduler.max_num_seqs is None:
+            limit = auto_max_num_seqs(self.kv.num_free_blocks, config.scheduler)
+            config = replace(config, scheduler=replace(config.scheduler, max_num_seqs=limit))
+            self.config = config
+        self._warm_up_kernels()
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(self.eos_token_ids)
         self.profile = StepProfile()  # where each step's time goes (the async engine adds deliver)
@@ -143,7 +147,9 @@ class LLMEngine:
         with the variety of traffic later (engine.model.linear_kernels.warm_up)."""
         started = time.perf_counter()
         sched = self.config.scheduler
-        calls = self.backend.warm_up(sched.max_num_batched_tokens, sched.max_num_seqs)
+        calls = self.backend.warm_up(
+            sched.max_num_batched_tokens, sched.max_num_seqs or MAX_AUTO_BATCH
+        )
         if calls:
             log.info(
                 "kernels warmed up", calls=calls, seconds=round(time.perf_counter() - started, 2)
@@ -330,6 +336,14 @@ def _prompt_logprobs(seq: Sequence) -> list[TokenLogprob] | None:
     return list(seq.prompt_logprobs) if seq.sampling.prompt_logprobs is not None else None
 
 
+def auto_max_num_seqs(kv_blocks: int, sched: SchedulerConfig) -> int:
+    """MAX_BATCH_SIZE when unset: as many sequences as can each hold a KV block of their own
+    and a decode row in one step's token budget, at most MAX_AUTO_BATCH. More rows make each
+    step longer but not slower per token (a decode step reads the weights once for all of its
+    rows); a batch too full for the KV pool preempts, as it does under any limit."""
+    return max(1, min(MAX_AUTO_BATCH, kv_blocks, sched.max_num_batched_tokens))
+
+
 def _num_kv_blocks(backend: InferenceBackend, config: EngineConfig) -> dict[str, int] | SharedPages:
     """The KV memory out of a budget of MAX_ACTIVE_KV_TOKENS tokens of K/V in every storing
     layer (at the cache's dtype), or of a share of free memory: one page pool all cache groups
@@ -343,13 +357,13 @@ def _num_kv_blocks(backend: InferenceBackend, config: EngineConfig) -> dict[str,
     else:
         budget = int(_free_memory_bytes(backend.device) * _AUTO_KV_MEMORY_FRACTION)
         # More than every sequence at full length is never needed.
-        max_context = backend.max_model_len * sched.max_num_seqs
+        max_context = backend.max_model_len * (sched.max_num_seqs or MAX_AUTO_BATCH)
     size = shared_pages if can_share_pages(groups) else blocks_per_group
     return size(
         groups,
         budget,
         config.block_size,
-        sched.max_num_seqs,
+        sched.max_num_seqs or MAX_AUTO_BATCH,
         sched.max_num_batched_tokens,
         max_context,
     )

@@ -37,10 +37,17 @@ from engine.sched.stats import SchedulerStats, TenantLedger, TenantStats
 from engine.sched.tenants import IdleTenants
 
 
+# The most sequences an automatic batch limit runs at once (vLLM's default max_num_seqs).
+MAX_AUTO_BATCH = 256
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     policy: str = "vtc"  # "fcfs", "priority" or "vtc"
-    max_num_seqs: int = 32  # most sequences running at once (MAX_BATCH_SIZE)
+    # Most sequences running at once (MAX_BATCH_SIZE); None: the engine sizes it from memory
+    # and the step budget (engine.llm_engine.auto_max_num_seqs), a bare scheduler runs up to
+    # MAX_AUTO_BATCH.
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int = 512  # token budget of one step: decodes + prefill chunks
     max_queue_len: int = 256  # waiting requests before add() answers OVERLOADED (MAX_QUEUE_LEN)
     max_inflight_per_tenant: int | None = None  # accepted, unfinished requests; None: no limit
@@ -54,10 +61,10 @@ class SchedulerConfig:
     max_idle_tenants: int | None = 1024
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue_len"):
+        for name in ("max_num_batched_tokens", "max_queue_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_inflight_per_tenant", "max_inflight_per_session"):
+        for name in ("max_num_seqs", "max_inflight_per_tenant", "max_inflight_per_session"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")
@@ -113,6 +120,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.max_num_seqs = config.max_num_seqs or MAX_AUTO_BATCH
         self.kv = kv
         self.policy = make_policy(config.policy, config.token_cost)
         self._clock = clock
@@ -383,7 +391,7 @@ class Scheduler:
         under-served tenant's prompt is not queued behind others' long prompts); on a tie,
         running sequences before admissions, each most urgent first."""
         candidates = [s for s in pending.values() if _prefilling(s)]
-        if admitting and self.waiting and len(self.running) < self.config.max_num_seqs:
+        if admitting and self.waiting and len(self.running) < self.max_num_seqs:
             candidates.append(self.policy.select(self.waiting))
         if not candidates:
             return None
