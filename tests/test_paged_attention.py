@@ -169,6 +169,38 @@ def test_fused_attention_matches_reference(group_name, layer, collect_attention,
 
 
 @pytest.mark.parametrize("group_name, layer", [("sliding", 0), ("full", 1)])
+def test_fused_fresh_prompt_reads_its_own_keys(group_name, layer, monkeypatch):
+    """The fresh prefill of positions 0..3 (the batch's last sequence) attends causally to
+    the keys this step wrote, without gathering them back; every other chunk reads the pools.
+    All to float32 rounding of the float64 reference over the pools after the write."""
+    arch, cache, generator = random_cache(layer, seed=2)
+    batch = mixed_batch(collect_attention=False)
+    windows = {"full": None, "sliding": WINDOW}
+    step = PagedAttentionStep(batch, cache, windows, CPU, torch.float32, fused=True)
+    flags = [chunk.causal_fresh for chunk in step.plans[group_name].chunks]
+    assert flags == [False, False, True]  # the decodes, the cached-prefix chunk, the fresh one
+    gathered = []
+    real_gather = paged_attention._gather_keys_values
+    monkeypatch.setattr(
+        paged_attention,
+        "_gather_keys_values",
+        lambda chunk, *pools: gathered.append(chunk.q_len) or real_gather(chunk, *pools),
+    )
+    new_keys = torch.randn(9, KV_HEADS, HEAD_DIM, generator=generator)
+    new_values = torch.randn(9, KV_HEADS, HEAD_DIM, generator=generator)
+    step.write(layer, new_keys, new_values)
+    query = torch.randn(9, HEADS, HEAD_DIM, generator=generator)
+    out = step.attend(layer, query, scaling=0.3)
+    assert 4 not in gathered  # the fresh chunk's keys were never gathered
+    group = batch.groups[group_name]
+    window = arch.window_of_group(group_name)
+    expected, _ = reference(
+        query, cache.keys[layer], cache.values[layer], batch, group, window, 0.3, None
+    )
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("group_name, layer", [("sliding", 0), ("full", 1)])
 @pytest.mark.parametrize("fused", [False, True])
 def test_bfloat16_cache_under_float32_queries(group_name, layer, fused):
     """KV_CACHE_DTYPE=bfloat16 under float32 weights: new keys and values are rounded to

@@ -66,6 +66,9 @@ class _Chunk:
     num_keys: int  # key columns used (the group's key rows are cut to this width)
     key_slots: torch.Tensor  # [num_seqs * num_keys] slots to gather
     mask: torch.Tensor  # [num_seqs, 1, q_len, num_keys] additive: 0 or the dtype's minimum
+    # A prefill chunk whose keys are its own queries' positions, 0 to q_len - 1, all visible
+    # causally (no earlier keys, no window cutting in): its keys are this step's fresh ones.
+    causal_fresh: bool = False
 
 
 class _GroupPlan:
@@ -198,6 +201,14 @@ def _make_chunk(
         visible &= (query_positions[:, :, None] - key_positions[:, None, :]) < window
     mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
     mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    causal_fresh = (
+        q_len > 1
+        and width == q_len
+        and (window is None or window >= q_len)
+        and bool(torch.equal(key_positions[0], query_positions[0]))
+        and bool(torch.equal(query_positions[0], torch.arange(q_len, device=visible.device)))
+        and bool(group.key_valid[seqs, :width].all())
+    )
     return _Chunk(
         rows=rows if isinstance(rows, slice) else rows.to(device),
         seqs=seqs if isinstance(seqs, slice) else seqs.to(device),
@@ -206,6 +217,7 @@ def _make_chunk(
         num_keys=width,
         key_slots=key_slots.reshape(-1).to(device),
         mask=mask[:, None].to(device),
+        causal_fresh=causal_fresh,
     )
 
 
@@ -243,6 +255,12 @@ class PagedAttentionStep:
         wanted = H2O_MASS_GROUPS if mass_groups is None else tuple(mass_groups)
         self.mass_groups = tuple(name for name in wanted if name in self.plans)
         self.masses: dict[str, torch.Tensor] = {}
+        # This step's keys and values by storing layer, rounded as the cache stores them (fused
+        # modes only): a fresh prompt's chunk reads them instead of gathering from the pools.
+        self._fresh: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._keep_fresh = fused and any(
+            chunk.causal_fresh for plan in self.plans.values() for chunk in plan.chunks
+        )
         if batch.collect_attention:
             for name in self.mass_groups:
                 self.masses[name] = torch.zeros(
@@ -263,6 +281,9 @@ class PagedAttentionStep:
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store this step's keys/values ([T, num_kv_heads, head_dim]) of a storing layer."""
         plan = self._plan_of(layer)
+        if self._keep_fresh:  # a fresh prompt's chunk attends to these as they are stored
+            dtype = self.cache.keys[layer].dtype
+            self._fresh[layer] = (keys.to(dtype), values.to(dtype))
         if plan.write_rows is not None:
             keys = keys.index_select(0, plan.write_rows)
             values = values.index_select(0, plan.write_rows)
@@ -285,11 +306,20 @@ class PagedAttentionStep:
         if fused and self.paged_decode:
             attend = _attend_chunk_paged
         chunks = plan.chunks
+        fresh = self._fresh.get(kv_layer) if fused else None
+
+        def run(chunk: _Chunk, rows: torch.Tensor) -> torch.Tensor:
+            if fresh is not None and chunk.causal_fresh:
+                return _attend_fresh_causal(
+                    rows, fresh[0][chunk.rows], fresh[1][chunk.rows], scaling
+                )
+            return attend(chunk, rows, keys, values, scaling, softcap, mass)
+
         if len(chunks) == 1 and chunks[0].num_seqs * chunks[0].q_len == self.num_tokens:
-            return attend(chunks[0], query, keys, values, scaling, softcap, mass)
+            return run(chunks[0], query)
         out = query.new_empty(query.shape[0], query.shape[1], values.shape[2])
         for chunk in chunks:
-            result = attend(chunk, query[chunk.rows], keys, values, scaling, softcap, mass)
+            result = run(chunk, query[chunk.rows])
             if isinstance(chunk.rows, slice):
                 out[chunk.rows] = result
             else:
@@ -360,6 +390,19 @@ def _attend_chunk_paged(
     return cpu_ops.paged_decode_attention(
         query, key_pool, value_pool, chunk.key_slots, chunk.mask, scaling
     )
+
+
+def _attend_fresh_causal(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """A fresh prompt's chunk ([T, H, D] queries over its own [T, Hkv, D] keys and values, in
+    the cache's dtype): causal attention with no mask to build or read and no gather, and the
+    fused kernel skips the blocks above the diagonal. Otherwise as _attend_chunk_fused."""
+    dtype = query.dtype
+    q = query.to(keys.dtype).transpose(0, 1).unsqueeze(0)
+    k, v = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+    return out[0].transpose(0, 1).to(dtype)
 
 
 def _attend_chunk_fused(
