@@ -9,15 +9,13 @@ import structlog
 from app.generation import GenerationService
 from app.response_store import ResponseStore
 from app.responses_service import ResponsesService
-from app.settings import Settings
+from app.settings import EnginePlan, Settings
 from compat.structured import JsonStyle
 from engine.async_engine import AsyncEngine
 from engine.backends import create_backend
-from engine.device import resolve_device, resolve_dtype
 from engine.llm_engine import LLMEngine
 from engine.metrics import ServingMetrics
-from engine.model.linear_kernels import kernel_for
-from engine.model.loader import load_model
+from engine.model.loader import LoadedModel, load_model
 
 log = structlog.get_logger(__name__)
 
@@ -35,27 +33,20 @@ class ServerState:
 
 def build_server_state(settings: Settings, created: int) -> ServerState:
     """Load the model and start the engine loop; returns once the engine takes work."""
-    device = resolve_device(settings.DEVICE)
-    dtype = resolve_dtype(settings.DTYPE, device)
-    kernel = kernel_for(settings.WEIGHTS, settings.NUMERICS, device)
-    config = settings.engine_config().with_auto_kv_cache_dtype(kernel, dtype)
+    plan = settings.engine_plan()  # exits before loading on settings that cannot serve here
     log.info(
         "loading model",
         model=settings.MODEL_NAME,
-        device=str(device),
-        dtype=str(dtype),
-        linear_kernel=kernel,
-        kv_cache_dtype=str(config.kv_cache_dtype),
+        device=str(plan.device),
+        dtype=str(plan.dtype),
+        linear_kernel=plan.kernel,
+        kv_cache_dtype=str(plan.config.kv_cache_dtype),
     )
-
-    def build_engine() -> LLMEngine:
+    async_engine = AsyncEngine(
         # Runs on the engine thread: loading, backend and KV allocation included (see AsyncEngine).
-        loaded = load_model(settings.MODEL_NAME, dtype)
-        return LLMEngine.for_model(
-            loaded, create_backend(settings.BACKEND, loaded, device, dtype, kernel), config
-        )
-
-    async_engine = AsyncEngine(build_engine, metrics_max_tenants=settings.METRICS_MAX_TENANTS)
+        lambda: build_engine(settings, plan),
+        metrics_max_tenants=settings.METRICS_MAX_TENANTS,
+    )
     async_engine.start()
     engine = async_engine.engine
     # Structured outputs need the tokenizer's grammar data (seconds to build): on a worker
@@ -94,3 +85,15 @@ def build_server_state(settings: Settings, created: int) -> ServerState:
         settings, async_engine, service, async_engine.metrics, engine.model_id, created,
         ResponsesService(service, store),
     )  # fmt: skip
+
+
+def build_engine(
+    settings: Settings, plan: EnginePlan, loaded: LoadedModel | None = None
+) -> LLMEngine:
+    """The engine `settings` serve, as `plan` (settings.engine_plan()) resolved them: MODEL_NAME
+    loaded in the plan's dtype, or `loaded` (a model loaded once and shared, e.g. by tests;
+    the backend casts its weights), under BACKEND with the plan's linear kernel."""
+    if loaded is None:
+        loaded = load_model(settings.MODEL_NAME, plan.dtype)
+    backend = create_backend(settings.BACKEND, loaded, plan.device, plan.dtype, plan.kernel)
+    return LLMEngine.for_model(loaded, backend, plan.config)
