@@ -36,7 +36,6 @@ from engine.sched.policy import TokenCost, make_policy
 from engine.sched.stats import SchedulerStats, TenantLedger, TenantStats
 from engine.sched.tenants import IdleTenants
 
-
 # The most sequences an automatic batch limit runs at once (vLLM's default max_num_seqs).
 MAX_AUTO_BATCH = 256
 
