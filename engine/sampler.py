@@ -17,33 +17,46 @@ One call turns the logits of every sequence that needs a token this step into to
    step, and a batch without any pays nothing at all. A row that chooses from its whole
    distribution first chooses without the mask and keeps a token the grammar allows, which
    is exact (Sampler._constrain): the mask is computed only for the rows it changes;
-6. greedy rows (temperature below 1e-5) take the argmax; the others divide by temperature,
-   softmax, then keep top-k, then top-p of the renormalized top-k distribution (the smallest
-   set of most likely tokens whose mass reaches top_p; the most likely token alone at top_p 0),
-   then tokens with probability at least min_p times the largest, and draw from what is kept.
+6. greedy rows (temperature below 1e-5) take the argmax; the others keep top-k of the
+   distribution softmax(logits / temperature), then top-p of the renormalized top-k
+   distribution (the smallest set of most likely tokens whose mass reaches top_p; the most
+   likely token alone at top_p 0), then tokens with probability at least min_p times the
+   largest, and draw from what is kept.
 
 Logprobs (and the top alternatives) are those of the raw model output: log_softmax of the
 logits as given, before any of the steps above, so they do not depend on sampling settings
 (nor on a grammar: a token the grammar forced may have a low logprob).
 
-Randomness: a draw needs one uniform number u per row, used by inverse-CDF sampling over the
-kept tokens in token-id order. A seeded row takes u from a generator keyed by (seed, step),
-(and the draw, for a grammar's retry), so its token depends only on its own logits,
-parameters and step -- never on the other rows of the batch or the batch size; and a
-recomputed step draws the same token.
-Unseeded rows take u from torch's global generator.
+Randomness: a draw is a Gumbel-max race (the exponential race vLLM samples with). Every kept
+token v gets the score s_v + G(key, v), where s_v is its logit over the temperature (less the
+row's largest) and G = -log(-log u) is Gumbel noise, with u computed by a counter-based hash of
+the row's key and the token id alone; the token with the best score wins, which is a draw from
+softmax(s) over the kept tokens. The uniforms have 32 bits, which bounds the noise: a token
+whose probability is below about 2^-32 is drawn less often than it should be (such tokens hold
+a negligible part of a real model's distribution). A seeded row's key is a hash of (seed, step)
+(and the draw, for a grammar's retry), the same in every process, so its token depends only on
+its own logits, parameters and step -- never on the other rows of the batch, the batch size or
+the candidate set the batch works on; and a recomputed step draws the same token. As the noise
+of a token does not move with the logits, logits that differ in their last bits (the same
+request computed in another batch shape, under approximate kernels) change the token only
+where two tokens' scores nearly tie: an inverse-CDF draw moved whenever the mass below the
+drawn token did. Unseeded rows take a fresh key from torch's global generator (so
+torch.manual_seed repeats them). On the CPU the race is a C++ kernel that skips the noise of
+the tokens that cannot win (cpu_ops.gumbel_argmax); elsewhere, the same hash and race in torch
+ops (_race_torch).
 """
 
 from __future__ import annotations
 
-import random
+import hashlib
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
+from engine.model import cpu_ops
 from engine.request import Sequence as EngineSequence
 from engine.request import TokenLogprob
 from engine.sampling import SamplingParams
@@ -69,8 +82,15 @@ _CANDIDATE_GROWTH = 8
 # A grammar's retry chooses among the allowed tokens alone when there are at most this many,
 # instead of masking and scanning the whole vocabulary (Sampler._constrain).
 _SPARSE_CHOICE = 4096
-# Columns per block of the two-level inverse CDF (see _inverse_cdf).
-_CDF_BLOCK = 1024
+# The race's hash (csrc/cpu_ops.cpp describes it): 32-bit words in int64 tensors. Both
+# multipliers are below 2^31, so no product of a word and one overflows int64.
+_WORD = 0xFFFFFFFF
+_MIX_A, _MIX_B, _KEY_OFFSET = 0x21F0AAAD, 0x735A2D97, 0x9E3779B9
+# The torch race works on at most this many (row, token) pairs at a time (but a whole row).
+# On the CPU, fewer: its int64 temporaries then stay in the caches (a 16 x 262,144 race took a
+# fifth of the time it took in chunks of 2^22).
+_RACE_CHUNK = 1 << 22
+_RACE_CHUNK_CPU = 1 << 18
 
 
 @dataclass
@@ -80,7 +100,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    step: int  # tokens already generated; keys the seeded draw and min_tokens
+    step: int  # tokens already generated; keys the seeded race and min_tokens
     grammar: GrammarMatcher | None = None  # the row's output constraint, read-only here
     draw: int = 0  # which draw of this step: a retry's randomness is independent of the first
 
@@ -104,9 +124,9 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
-        # The probabilities of the drawn rows, kept between calls: a fresh [32, 262144] float32
-        # tensor each step is 32 MiB of new pages (8,192 page faults), which cost more than
-        # the exponentials written into them.
+        # Scratch for the drawn rows (min-p's masked logits, top-k's and top-p's probabilities),
+        # kept between calls: a fresh [32, 262144] float32 tensor each step is 32 MiB of new
+        # pages (8,192 page faults), which cost more than the values written into them.
         self._probs = torch.empty(0)
         # The token bitmask of the rows with a grammar (int32, 32 tokens a word), kept too.
         self._bitmask = torch.empty(0, 0, dtype=torch.int32)
@@ -293,12 +313,14 @@ def _choose_among(logits: torch.Tensor, allowed: torch.Tensor, row: SamplingRow)
     """Step 6 for one row that chooses from its whole distribution, over the `allowed` token
     ids (ascending) only: the same choice as over the row masked to them, for the cost of
     the few logits kept (a grammar often allows a handful of tokens)."""
-    kept = logits[allowed.to(logits.device)]
+    device = logits.device
+    allowed = allowed.to(device)
+    kept = logits[allowed]
     if row.params.temperature < _GREEDY_TEMPERATURE:
         return int(allowed[_argmax(kept[None])[0]])
-    probs = torch.softmax(kept / row.params.temperature, dim=-1)
-    u = torch.tensor(_uniforms([row]), dtype=_uniform_dtype(logits.device), device=logits.device)
-    return int(allowed[_inverse_cdf(probs[None], u)[0]])
+    inverse_temperature = _inverse_temperatures([row.params], device)
+    keys = torch.tensor(_keys([row]), dtype=torch.long, device=device)
+    return int(_race(kept[None], inverse_temperature, keys, allowed[None])[0])
 
 
 def _whole_distribution(params: SamplingParams) -> bool:
@@ -370,24 +392,18 @@ def _apply_frequency_presence(out: torch.Tensor, rows: list[tuple[int, SamplingR
     out.index_put_((ur, ut), -presence[ur], accumulate=True)  # once per distinct token
 
 
-def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow], out: torch.Tensor) -> torch.Tensor:
-    """Random (non-greedy) rows: temperature, top-k, top-p, min-p, then one draw each. `out`
-    ([rows, vocab] like `logits`) receives the probabilities."""
+def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow], scratch: torch.Tensor) -> torch.Tensor:
+    """Random (non-greedy) rows: the kept tokens of each row (min-p, top-k, top-p), then the
+    race over them. `scratch` is [rows, vocab] like `logits`."""
     device = logits.device
-    if any(r.params.temperature != 1.0 for r in rows):
-        temperature = [[r.params.temperature] for r in rows]
-        logits = torch.div(
-            logits, torch.tensor(temperature, dtype=logits.dtype, device=device), out=out
-        )
-    probs = torch.softmax(logits, dim=-1, out=out)  # in place when divided into `out` above
-    u = torch.tensor(_uniforms(rows), dtype=_uniform_dtype(device), device=device)
     params = [r.params for r in rows]
-
+    inverse_temperature = _inverse_temperatures(params, device)
+    keys = torch.tensor(_keys(rows), dtype=torch.long, device=device)
     restricted = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
     if not restricted:
-        return _draw_from_vocabulary(probs, params, u)
+        return _draw_from_vocabulary(logits, params, inverse_temperature, keys, scratch)
     if len(restricted) == len(rows):
-        return _draw_from_candidates(probs, params, u)
+        return _draw_from_candidates(logits, params, inverse_temperature, keys, scratch)
     token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
     restricted_set = set(restricted)
     for subset, draw in (
@@ -395,27 +411,53 @@ def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow], out: torch.Tensor) 
         (restricted, _draw_from_candidates),
     ):
         index = _index(subset, device)
-        token_ids[index] = draw(probs[index], [params[i] for i in subset], u[index])
+        token_ids[index] = draw(
+            logits[index],
+            [params[i] for i in subset],
+            inverse_temperature[index],
+            keys[index],
+            scratch[: len(subset)],
+        )
     return token_ids
 
 
 def _draw_from_vocabulary(
-    probs: torch.Tensor, params: list[SamplingParams], u: torch.Tensor
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    inverse_temperature: torch.Tensor,
+    keys: torch.Tensor,
+    scratch: torch.Tensor,
 ) -> torch.Tensor:
-    """Rows without top-k and top-p: min-p, then a draw over the whole vocabulary."""
+    """Rows without top-k and top-p: min-p, then the race over the whole vocabulary."""
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([[p.min_p] for p in params], dtype=probs.dtype, device=probs.device)
-        # In place: `probs` is the sampler's scratch (or a copy of some of its rows).
-        probs.masked_fill_(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
-    return _inverse_cdf(probs, u)
+        # Probability at least min_p times the largest: a logit at least the largest plus
+        # temperature * log(min_p).
+        margin = [
+            [p.temperature * math.log(p.min_p) if p.min_p > 0.0 else -math.inf] for p in params
+        ]
+        floor = logits.max(dim=-1, keepdim=True).values + torch.tensor(
+            margin, dtype=logits.dtype, device=logits.device
+        )
+        banned = logits.new_full((), -math.inf)
+        logits = torch.where(logits < floor, banned, logits, out=scratch)
+    return _race(logits, inverse_temperature, keys)
 
 
 def _draw_from_candidates(
-    probs: torch.Tensor, params: list[SamplingParams], u: torch.Tensor
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    inverse_temperature: torch.Tensor,
+    keys: torch.Tensor,
+    scratch: torch.Tensor,
 ) -> torch.Tensor:
-    """Rows with top-k and/or top-p: work on the most likely tokens instead of the vocabulary."""
-    device = probs.device
-    vocab = probs.shape[1]
+    """Rows with top-k and/or top-p: work on the most likely tokens instead of the vocabulary,
+    then race over the kept ones."""
+    device = logits.device
+    vocab = logits.shape[1]
+    scaled = logits
+    if any(p.temperature != 1.0 for p in params):
+        scaled = torch.mul(logits, inverse_temperature[:, None], out=scratch)
+    probs = torch.softmax(scaled, dim=-1, out=scratch)  # in place when scaled into scratch
     acc = _accumulation_dtype(device)
     top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
     has_top_k = torch.tensor([p.top_k > 0 for p in params], device=device)
@@ -443,59 +485,98 @@ def _draw_from_candidates(
     keep = in_top_k & (before < top_p[:, None])
     keep[:, 0] = True  # the nucleus is never empty (top_p 0, or below float32's smallest)
     keep &= cand_probs >= min_p * cand_probs[:, :1]
-    # Draw in token-id order, as the unrestricted path does, so ties in the ranking and
-    # the candidate width (which depends on the other rows) cannot change the result.
-    ids_sorted, order = cand_ids.sort(dim=-1)
-    weights = torch.where(keep, cand_probs, 0.0).gather(1, order)
-    return ids_sorted.gather(1, _inverse_cdf(weights, u)[:, None]).squeeze(1)
+    # The race's noise is keyed by token id, so neither the candidates' order nor their
+    # number (which depends on the other rows) changes the result.
+    kept_logits = torch.where(keep, logits.gather(1, cand_ids), -math.inf)
+    return _race(kept_logits, inverse_temperature, keys, cand_ids)
 
 
-def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Per row, the first column where the running sum of `weights` exceeds u * total.
-
-    In two levels, as a full-width running sum over 262,144 columns costs more than the softmax
-    before it: the sums of blocks of _CDF_BLOCK columns pick the block, then the running sum
-    inside that block picks the column. That column always has weight > 0: the target is kept
-    strictly below the chosen block's running total, and zero-weight columns never raise it.
-    """
-    rows, width = weights.shape
-    acc = _accumulation_dtype(weights.device)
-    block = min(_CDF_BLOCK, width)
-    pad = -width % block
-    blocks = (F.pad(weights, (0, pad)) if pad else weights).view(rows, -1, block)
-    block_cdf = blocks.sum(dim=-1, dtype=acc).cumsum(dim=-1)
-    total = block_cdf[:, -1:]
-    target = (u[:, None] * total.to(u.dtype)).to(acc)
-    # Keep the target strictly below the total even where u * total rounds up to it.
-    target = torch.minimum(target, _just_below(total))
-    chosen = torch.searchsorted(block_cdf, target, right=True).clamp_(max=blocks.shape[1] - 1)
-    before = torch.where(chosen > 0, block_cdf.gather(1, (chosen - 1).clamp(min=0)), 0.0)
-    inside = blocks.gather(1, chosen[:, :, None].expand(rows, 1, block)).squeeze(1)
-    inside_cdf = inside.cumsum(dim=-1, dtype=acc)
-    # The block's own running sum can round differently from its block sum: stay below it.
-    residual = torch.minimum((target - before).clamp_(min=0.0), _just_below(inside_cdf[:, -1:]))
-    column = torch.searchsorted(inside_cdf, residual, right=True).clamp_(max=block - 1)
-    # Only a row with no weight at all can land past the last real column.
-    return (chosen * block + column).squeeze(1).clamp_(max=width - 1)
+def _inverse_temperatures(params: Sequence[SamplingParams], device: torch.device) -> torch.Tensor:
+    return torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32, device=device)
 
 
-def _just_below(values: torch.Tensor) -> torch.Tensor:
-    return torch.nextafter(values, torch.zeros_like(values))
-
-
-def _uniforms(rows: Sequence[SamplingRow]) -> list[float]:
-    """One uniform in [0, 1) per row: keyed by (seed, step) for seeded rows, else fresh."""
+def _keys(rows: Sequence[SamplingRow]) -> list[int]:
+    """One race key in [0, 2^63) per row: for a seeded row a hash of (seed, step, draw), the
+    same in every process; else a fresh one from torch's global generator."""
     unseeded = sum(r.params.seed is None for r in rows)
-    fresh = iter(torch.rand(unseeded, dtype=torch.float64).tolist())
-    uniforms = []
+    fresh = iter(torch.randint(2**63 - 1, (unseeded,)).tolist() if unseeded else ())
+    keys = []
     for r in rows:
         if r.params.seed is None:
-            uniforms.append(next(fresh))
+            keys.append(next(fresh))
         else:
-            # random.Random seeds from a str through SHA-512: the same in every process.
-            key = f"{r.params.seed}:{r.step}" + (f":{r.draw}" if r.draw else "")
-            uniforms.append(random.Random(key).random())
-    return uniforms
+            text = f"{r.params.seed}:{r.step}" + (f":{r.draw}" if r.draw else "")
+            digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+            keys.append(int.from_bytes(digest, "little") >> 1)
+    return keys
+
+
+def _race(
+    logits: torch.Tensor,
+    inverse_temperature: torch.Tensor,
+    keys: torch.Tensor,
+    ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per row, the token with the largest (logit - the row's largest) * inverse_temperature +
+    Gumbel noise keyed by (the row's key, the token id): column c of `logits` is token c, or
+    ids[row, c]. -inf marks a token that cannot be chosen; ties go to the smallest id."""
+    if logits.device.type == "cpu" and cpu_ops.available():
+        return cpu_ops.gumbel_argmax(logits, inverse_temperature, keys, ids)
+    return _race_torch(logits, inverse_temperature, keys, ids)
+
+
+def _race_torch(
+    logits: torch.Tensor,
+    inverse_temperature: torch.Tensor,
+    keys: torch.Tensor,
+    ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """_race in torch ops, on any device: the hash and race of cpu_ops.gumbel_argmax, the noise
+    in float64 (float32 on MPS, which has no float64), with no token skipped."""
+    rows, width = logits.shape
+    if rows == 0:
+        return torch.empty(0, dtype=torch.long, device=logits.device)
+    chunk = _RACE_CHUNK_CPU if logits.device.type == "cpu" else _RACE_CHUNK
+    step = max(1, chunk // width)
+    if rows > step:
+        return torch.cat(
+            [
+                _race_torch(
+                    logits[i : i + step],
+                    inverse_temperature[i : i + step],
+                    keys[i : i + step],
+                    None if ids is None else ids[i : i + step],
+                )
+                for i in range(0, rows, step)
+            ]
+        )
+    device = logits.device
+    noise_dtype = torch.float32 if device.type == "mps" else torch.float64
+    low, high = keys & _WORD, keys >> 32
+    a = _mix32(low ^ _mix32(high))[:, None]
+    b = _mix32(high ^ _mix32(low ^ _KEY_OFFSET))[:, None]
+    tokens = torch.arange(width, device=device)[None] if ids is None else ids
+    bits = _mix32(_mix32((tokens + a) & _WORD) ^ b)
+    t = ((_WORD - bits).to(noise_dtype) + 0.5) * 2.0**-32  # 1 - u
+    noise = torch.log1p(-t).neg_().log_().neg_()
+    top = logits.amax(dim=-1, keepdim=True)
+    # Not NaN where top is infinite: a row of -inf stays -inf (its smallest id wins), and the
+    # +inf tokens of a row tie (its first +inf token wins), as in the C++ kernel.
+    top = torch.where(top.isfinite(), top, 0.0)
+    scores = ((logits - top) * inverse_temperature[:, None]).to(noise_dtype) + noise
+    scores = scores.nan_to_num_(nan=-math.inf, posinf=math.inf)  # a NaN logit never wins
+    best = scores.max(dim=-1, keepdim=True).values
+    tokens = tokens.expand(rows, width)
+    return torch.where(scores == best, tokens, torch.iinfo(torch.long).max).min(dim=-1).values
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """The race's 32-bit mixer (mix32 in csrc/cpu_ops.cpp) on int64 words below 2^32."""
+    x = x ^ (x >> 16)
+    x = (x * _MIX_A) & _WORD
+    x = x ^ (x >> 15)
+    x = (x * _MIX_B) & _WORD
+    return x ^ (x >> 15)
 
 
 def _accumulation_dtype(device: torch.device) -> torch.dtype:
@@ -506,10 +587,6 @@ def _accumulation_dtype(device: torch.device) -> torch.dtype:
     relative) and runs three times faster than a float64 one. MPS has no float64.
     """
     return torch.float64 if device.type == "cuda" else torch.float32
-
-
-def _uniform_dtype(device: torch.device) -> torch.dtype:
-    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def _logprobs(

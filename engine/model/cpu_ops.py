@@ -10,7 +10,8 @@ compiler is found `available()` is false and the model runs the same maths as ea
 callers use them on a CPU device only.
 
 They sum in another order than torch's reductions, so they are used only by the approximate
-modes (every mode but NUMERICS=exact), where tests/test_cpu_ops.py bounds them.
+modes (every mode but NUMERICS=exact), where tests/test_cpu_ops.py bounds them. The exception is
+the sampler's race (gumbel_argmax), which sums nothing: engine/sampler.py calls it in every mode.
 """
 
 from __future__ import annotations
@@ -212,3 +213,18 @@ def packed_gated_mlp(
     gate's and up's weights in alternating runs of 64 rows, packed. Returns [rows,
     out_features] bfloat16."""
     return torch.ops.gemma_cpu.packed_gated_mlp(x, gate_up, down, hidden, out_features)
+
+
+def gumbel_argmax(
+    logits: torch.Tensor,
+    inverse_temperature: torch.Tensor,
+    keys: torch.Tensor,
+    ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per row of `logits` ([R, W] float32; -inf marks a token that may not be chosen): the
+    token v with the largest (logit_v - the row's largest) * inverse_temperature[row] +
+    G(keys[row], v), G Gumbel noise from a hash of the row's key ([R] int64) and the token id,
+    which is the column, or ids[row, column] (int64 [R, W]) where ids are given; ties go to the
+    smaller id (csrc/cpu_ops.cpp says which hash; engine/sampler.py's _race_torch is the same
+    race in torch ops). int64 [R]; the smallest id for a row whose logits are all -inf."""
+    return torch.ops.gemma_cpu.gumbel_argmax(logits, inverse_temperature, keys, ids)

@@ -4,7 +4,8 @@
 // cast) and a decoder layer runs six of them plus two residual adds; at decode sizes each op
 // costs more in dispatch and allocation than in arithmetic. Each kernel here does one pass over
 // a row. Sums run in another order than torch's, so results match the eager ops to float32
-// rounding, not bit for bit: NUMERICS=exact never calls these.
+// rounding, not bit for bit: NUMERICS=exact never calls these. The last kernel, gumbel_argmax, is
+// the sampler's: it sums nothing, and engine/sampler.py calls it in every mode.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -12,7 +13,7 @@
 
 #include <c10/util/BFloat16.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -521,6 +522,253 @@ void store_kv(at::Tensor& key_pool, at::Tensor& value_pool, const at::Tensor& sl
   store(value_pool, values, "values");
 }
 
+// Sampling by a Gumbel-max race (engine/sampler.py): per row, the token v with the largest
+// s_v + G(key, v), where s_v = (logit_v - the row's largest logit) * inverse temperature and
+// G = -log(-log u) is Gumbel noise whose uniform u a counter-based hash computes from the row's
+// key and the token id alone. That token is a draw from softmax(logits * inverse temperature),
+// and it changes with the logits only where two tokens' perturbed scores nearly tie.
+// engine/sampler.py's _race_torch is the same hash and race in torch ops.
+//
+// The hash: mix32 below, two multiply-xorshift rounds (constants from Wellons' hash prospector,
+// both below 2^31 so that the torch version's int64 products never overflow). A key's low and
+// high 32 bits lo and hi give a = mix32(lo ^ mix32(hi)) and
+// b = mix32(hi ^ mix32(lo ^ 0x9e3779b9)); token v gets h = mix32(mix32(v + a) ^ b) (mod 2^32)
+// and u = (h + 0.5) / 2^32. G is computed from t = 1 - u = (~h + 0.5) / 2^32 as
+// -log(-log1p(-t)), in double.
+//
+// Most tokens need no logarithm. t >= 2^-33 bounds G by 33 ln 2; and G <= -log t (as
+// -log(1 - t) >= t) <= (32 - e) ln 2, where 2^e <= ~h is read off the exponent of ~h as a float.
+// Pass 1 finds the largest logit of each block of kRaceBlock columns; pass 2 skips a block
+// whose largest logit cannot reach the best score so far even with the largest noise, in the
+// others a token's bound costs the hash and a few vector instructions, and only the tokens
+// whose bound reaches the best score get the logarithms. The bounds are exact (kRaceSlack
+// covers the float rounding of the comparisons), so the result is the token the race over every
+// token gives.
+
+constexpr uint32_t kMixA = 0x21f0aaadu;
+constexpr uint32_t kMixB = 0x735a2d97u;
+constexpr uint32_t kKeyOffset = 0x9e3779b9u;
+// Columns per block of the race: its largest logit decides whether the block is scanned.
+constexpr int64_t kRaceBlock = 64;
+constexpr float kLn2 = 0.693147180559945f;
+constexpr float kRaceSlack = 1e-3f;
+constexpr float kGumbelMax = 33.f * kLn2 + kRaceSlack;
+
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= kMixA;
+  x ^= x >> 15;
+  x *= kMixB;
+  x ^= x >> 15;
+  return x;
+}
+
+struct RaceKey {
+  uint32_t a, b;
+};
+
+inline RaceKey race_key(int64_t key) {
+  const uint64_t k = static_cast<uint64_t>(key);
+  const uint32_t lo = static_cast<uint32_t>(k);
+  const uint32_t hi = static_cast<uint32_t>(k >> 32);
+  return {mix32(lo ^ mix32(hi)), mix32(hi ^ mix32(lo ^ kKeyOffset))};
+}
+
+inline uint32_t race_bits(RaceKey key, uint32_t token) {
+  return mix32(mix32(token + key.a) ^ key.b);
+}
+
+// G for the hash bits h, in double.
+inline double gumbel(uint32_t bits) {
+  const double t = (static_cast<double>(~bits) + 0.5) * 0x1p-32;
+  return -std::log(-std::log1p(-t));
+}
+
+// An upper bound of gumbel(bits), plus kRaceSlack: (32 - e) ln 2 with 2^e <= ~bits (for ~bits 0,
+// the float 0, whose exponent field 0 gives a bound above any G).
+inline float gumbel_bound(uint32_t bits) {
+  const float t = static_cast<float>(~bits);  // about t * 2^32
+  uint32_t raw;
+  std::memcpy(&raw, &t, 4);
+  const int32_t exponent = static_cast<int32_t>(raw >> 23) - 127;
+  return static_cast<float>(32 - exponent) * kLn2 + kRaceSlack;
+}
+
+// The largest of the kRaceBlock floats at x.
+inline float block_maximum(const float* x) {
+#if defined(__AVX512F__)
+  __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  for (int64_t j = 32; j < kRaceBlock; j += 32) {
+    a = _mm512_max_ps(a, _mm512_loadu_ps(x + j));
+    b = _mm512_max_ps(b, _mm512_loadu_ps(x + j + 16));
+  }
+  return _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+#elif defined(__AVX__)
+  __m256 m = _mm256_loadu_ps(x);
+  for (int64_t j = 8; j < kRaceBlock; j += 8) {
+    m = _mm256_max_ps(m, _mm256_loadu_ps(x + j));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  return _mm_cvtss_f32(h);
+#else
+  float m = -INFINITY;
+  for (int64_t j = 0; j < kRaceBlock; ++j) {
+    m = std::max(m, x[j]);
+  }
+  return m;
+#endif
+}
+
+// The token ids of a row's columns: the column itself, or read from a list.
+struct ColumnIds {
+  uint32_t operator()(int64_t column) const { return static_cast<uint32_t>(column); }
+};
+
+struct ListedIds {
+  const int64_t* ids;
+  uint32_t operator()(int64_t column) const { return static_cast<uint32_t>(ids[column]); }
+};
+
+// The race over one row x[0, n) whose column j is token ids(j); returns the winner's column.
+// block_max is scratch of one float per kRaceBlock columns.
+template <typename Ids>
+int64_t race_row(const float* x, int64_t n, float inverse_temperature, RaceKey key, Ids ids,
+                 float* block_max) {
+  const int64_t blocks = (n + kRaceBlock - 1) / kRaceBlock;
+  const int64_t full = n / kRaceBlock;
+  for (int64_t block = 0; block < full; ++block) {
+    block_max[block] = block_maximum(x + block * kRaceBlock);
+  }
+  if (full < blocks) {
+    float m = -INFINITY;
+    for (int64_t v = full * kRaceBlock; v < n; ++v) {
+      m = std::max(m, x[v]);
+    }
+    block_max[full] = m;
+  }
+  float top = -INFINITY;
+  for (int64_t block = 0; block < blocks; ++block) {
+    top = std::max(top, block_max[block]);
+  }
+  int64_t top_block = -1;
+  for (int64_t block = 0; block < blocks && top > -INFINITY; ++block) {
+    if (block_max[block] == top) {
+      top_block = block;
+      break;
+    }
+  }
+  if (top_block < 0 || top == INFINITY) {
+    // Every logit -inf (or NaN): the smallest id. Some +inf (a broken model): the smallest id
+    // among them, as they tie.
+    int64_t column = -1;
+    for (int64_t j = 0; j < n; ++j) {
+      if ((top_block < 0 || x[j] == top) && (column < 0 || ids(j) < ids(column))) {
+        column = j;
+      }
+    }
+    return column;
+  }
+  // The first largest logit, whose s is 0, starts the race.
+  int64_t best_column = top_block * kRaceBlock;
+  const int64_t top_end = std::min(n, best_column + kRaceBlock);
+  for (int64_t j = best_column; j < top_end; ++j) {
+    if (x[j] == top) {
+      best_column = j;
+      break;
+    }
+  }
+  const float inv = inverse_temperature;
+  uint32_t best_token = ids(best_column);
+  double best = gumbel(race_bits(key, best_token));
+  float bar = static_cast<float>(best);
+  float bound[kRaceBlock];
+  for (int64_t block = 0; block < blocks; ++block) {
+    if ((block_max[block] - top) * inv + kGumbelMax < bar) {
+      continue;
+    }
+    const int64_t first = block * kRaceBlock;
+    const float* xb = x + first;
+    const int64_t len = std::min(kRaceBlock, n - first);
+    float reach = -INFINITY;
+#pragma omp simd reduction(max : reach)
+    for (int64_t j = 0; j < len; ++j) {
+      const float b = (xb[j] - top) * inv + gumbel_bound(race_bits(key, ids(first + j)));
+      bound[j] = b;
+      reach = std::max(reach, b);
+    }
+    if (reach < bar) {
+      continue;
+    }
+    for (int64_t j = 0; j < len; ++j) {
+      if (bound[j] >= bar) {
+        const uint32_t token = ids(first + j);
+        const double score =
+            static_cast<double>((xb[j] - top) * inv) + gumbel(race_bits(key, token));
+        if (score > best || (score == best && token < best_token)) {
+          best = score;
+          best_token = token;
+          best_column = first + j;
+          bar = static_cast<float>(best);
+        }
+      }
+    }
+  }
+  return best_column;
+}
+
+// One token id per row of logits ([R, W] float32, rows contiguous; -inf for a banned token):
+// the Gumbel-max race above with each row's inverse temperature ([R] float32) and key ([R]
+// int64). Column j of a row is token j, or ids[row, j] where ids ([R, W] int64, ids below
+// 2^32) are given; ties go to the smaller id. A row whose logits are all -inf gets its
+// smallest id.
+at::Tensor gumbel_argmax(const at::Tensor& logits, const at::Tensor& inverse_temperature,
+                         const at::Tensor& keys, const std::optional<at::Tensor>& ids) {
+  check_float(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2, "logits must be [R, W]");
+  const at::Tensor x = logits.stride(1) == 1 ? logits : logits.contiguous();
+  const int64_t rows = x.size(0), width = x.size(1);
+  TORCH_CHECK(width > 0 && width <= static_cast<int64_t>(UINT32_MAX) + 1,
+              "a row must hold 1 to 2^32 tokens");
+  const at::Tensor inv = inverse_temperature.contiguous();
+  check_float(inv, "inverse_temperature");
+  TORCH_CHECK(inv.numel() == rows, "inverse_temperature must be [R]");
+  const at::Tensor k = keys.contiguous();
+  TORCH_CHECK(k.device().is_cpu() && k.scalar_type() == at::kLong && k.numel() == rows,
+              "keys must be an int64 CPU tensor [R]");
+  at::Tensor listed;
+  if (ids.has_value()) {
+    listed = ids->contiguous();
+    TORCH_CHECK(listed.device().is_cpu() && listed.scalar_type() == at::kLong &&
+                    listed.sizes() == x.sizes(),
+                "ids must be an int64 CPU tensor shaped like logits");
+  }
+  at::Tensor out = at::empty({rows}, k.options());
+  const float* data = x.data_ptr<float>();
+  const int64_t stride = x.stride(0);
+  const float* inv_data = inv.data_ptr<float>();
+  const int64_t* key_data = k.data_ptr<int64_t>();
+  const int64_t* id_data = listed.defined() ? listed.data_ptr<int64_t>() : nullptr;
+  int64_t* o = out.data_ptr<int64_t>();
+  const int64_t blocks = (width + kRaceBlock - 1) / kRaceBlock;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> block_max(blocks);
+    for (int64_t row = begin; row < end; ++row) {
+      const float* x_row = data + row * stride;
+      const RaceKey key = race_key(key_data[row]);
+      if (id_data == nullptr) {
+        o[row] = race_row(x_row, width, inv_data[row], key, ColumnIds{}, block_max.data());
+      } else {
+        const int64_t* row_ids = id_data + row * width;
+        o[row] = row_ids[race_row(x_row, width, inv_data[row], key, ListedIds{row_ids},
+                                  block_max.data())];
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(gemma_cpu, m) {
@@ -537,6 +785,9 @@ TORCH_LIBRARY(gemma_cpu, m) {
   m.def(
       "store_kv(Tensor(a!) key_pool, Tensor(b!) value_pool, Tensor slots, Tensor keys, "
       "Tensor values) -> ()");
+  m.def(
+      "gumbel_argmax(Tensor logits, Tensor inverse_temperature, Tensor keys, Tensor? ids=None) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gemma_cpu, CPU, m) {
@@ -545,4 +796,5 @@ TORCH_LIBRARY_IMPL(gemma_cpu, CPU, m) {
   m.impl("norm_rope", &norm_rope);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("store_kv", &store_kv);
+  m.impl("gumbel_argmax", &gumbel_argmax);
 }
