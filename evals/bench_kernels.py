@@ -153,7 +153,9 @@ def prefill_rows_seconds(calls: int, bucketed: bool) -> float:
             if bucketed:
                 layer(x)
             else:  # the same packed weight at the exact row count
-                torch.ops.mkldnn._linear_pointwise(x.bfloat16(), layer.packed, None, "none", [], "")
+                torch.ops.mkldnn._linear_pointwise(
+                    x.bfloat16(), layer.slices[0], None, "none", [], ""
+                )
     return time.perf_counter() - start
 
 

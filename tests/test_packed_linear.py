@@ -197,13 +197,13 @@ def test_warm_up_skips_the_packed_kernel() -> None:
 @needs_bf16
 @needs_packed(torch.bfloat16)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bf16_modules_single_row_against_onednn(dtype: torch.dtype) -> None:
-    """A single row runs cpu_ops' kernels, more rows oneDNN's: the same roundings, so a row's
-    result moves by at most a unit in the last place between the two."""
-    assert PACKED_BF16_MAX_ROWS == 1
+@pytest.mark.parametrize("rows", range(1, PACKED_BF16_MAX_ROWS + 1))
+def test_bf16_modules_few_rows_against_onednn(dtype: torch.dtype, rows: int) -> None:
+    """Up to PACKED_BF16_MAX_ROWS rows run cpu_ops' kernels, more rows oneDNN's: the same
+    roundings, so a row's result moves by at most a unit in the last place between the two."""
     gate, up, down = (random(*shape, seed=12 + i) * 0.1 for i, shape in
                       enumerate([(256, 128), (256, 128), (128, 256)]))  # fmt: skip
-    x = random(1, 128, seed=20).to(dtype)
+    x = random(rows, 128, seed=20).to(dtype)
     linear, mlp = BFloat16Linear(gate), BFloat16GatedMLP(gate, up, down)
     assert linear.tiles is not None and mlp.down_tiles is not None
     packed = linear(x), mlp(x)

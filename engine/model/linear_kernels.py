@@ -193,17 +193,15 @@ def output_slices(weight: torch.Tensor) -> list[torch.Tensor]:
     return [part.contiguous() for part in weight.split(OUTPUT_SLICE)]
 
 
-# Rows up to which the bfloat16 layers run cpu_ops' packed kernels rather than oneDNN's: one,
-# a single stream's decode step, where reading the weights is all the time there is and the
-# packed kernel read a layer's in 27% less time (evals/bench_kernels.py). With more rows oneDNN
-# runs as fast, on AMX tiles (level at 16 and 32 rows there), so both layouts are kept.
-PACKED_BF16_MAX_ROWS = 1
+# Rows up to which the bfloat16 layers run cpu_ops' packed kernels rather than oneDNN's: a few
+# streams' decode steps, where reading the weights is all the time there is and the packed
+# kernel reads them once as a stream for every row; from about eight rows oneDNN's AMX tiles
+# are faster, so both layouts are kept (`python -m evals.bench_kernels --rows 1 2 4 8 16`).
+PACKED_BF16_MAX_ROWS = 4
 
 
-# The same for the int8 kernel (OneDNNInt8Linear): at one row cpu_ops' VNNI kernel ran the LM
-# head in 21% less time than oneDNN and a layer's linears in half (evals/bench_kernels.py); two
-# rows still read the weights once for both, and at 16 rows oneDNN (AMX) is level.
-PACKED_INT8_MAX_ROWS = 2
+# The same for the int8 kernel (OneDNNInt8Linear) and cpu_ops' VNNI kernel, measured the same.
+PACKED_INT8_MAX_ROWS = 4
 
 
 def _bf16_tiles(weight: torch.Tensor) -> torch.Tensor | None:
