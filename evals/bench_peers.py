@@ -55,6 +55,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
@@ -274,6 +275,10 @@ def point_prompts(tokenizer, point: Point, seconds: float, output_tokens: int) -
     return [token_prompt(tokenizer, rng, point.prompt_tokens) for _ in range(count)]
 
 
+# Seconds each engine is left idle after its warm-up, before the first point.
+SETTLE_S = 10.0
+
+
 def measure(engine: Engine, points: list[Point], prompts: dict[str, list], warm_up: list, args):
     slug = engine.name.lower().replace(" ", "_").replace(".", "").replace(",", "")
     log = RESULTS / f"bench_peers.{slug}.log"
@@ -285,6 +290,9 @@ def measure(engine: Engine, points: list[Point], prompts: dict[str, list], warm_
         if engine.role == "ours":
             engine.info.update(our_mode(log))
         asyncio.run(closed_loop(base, warm_up, 2, 8, keep_alive=keep_alive))
+        # Work an engine starts in the background once ready (ours: the grammar engine's
+        # tokenizer data, a few seconds of a core) ends before the first point, for every engine.
+        time.sleep(SETTLE_S)
         for point in points:
             timings, elapsed = asyncio.run(
                 closed_loop(
