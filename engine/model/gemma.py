@@ -185,8 +185,12 @@ class Attention(nn.Module):
             if self.v_norm is not None:
                 values = self.v_norm(values)
             step.write(spec.index, keys, values)
-        out = step.attend(spec.kv_source, query, self.scaling, self.softcap)
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        # A bfloat16 output projection reads bfloat16: the attention hands it over as such.
+        o_proj = self.o_proj
+        bf16_in = isinstance(o_proj, BFloat16Linear) and o_proj.bf16_out
+        out_dtype = torch.bfloat16 if bf16_in else None
+        out = step.attend(spec.kv_source, query, self.scaling, self.softcap, out_dtype)
+        return o_proj(out.reshape(x.shape[0], -1))
 
 
 class MLP(nn.Module):

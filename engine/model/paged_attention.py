@@ -294,9 +294,17 @@ class PagedAttentionStep:
             self.cache.write(layer, plan.write_slots, keys, values)
 
     def attend(
-        self, kv_layer: int, query: torch.Tensor, scaling: float, softcap: float | None = None
+        self,
+        kv_layer: int,
+        query: torch.Tensor,
+        scaling: float,
+        softcap: float | None = None,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """Attention output [T, H, head_dim] of `query` ([T, H, head_dim]) over kv_layer's cache."""
+        """Attention output [T, H, head_dim] of `query` ([T, H, head_dim]) over kv_layer's
+        cache, in `out_dtype` (default: the query's). A fused chunk computes in the cache's
+        dtype: asking for that dtype, where the next GEMM reads it, saves two casts."""
+        out_dtype = out_dtype or query.dtype
         group = self.cache.group_of_layer[kv_layer]
         plan = self._plan_of(kv_layer)
         keys, values = self.cache.keys[kv_layer], self.cache.values[kv_layer]
@@ -316,14 +324,14 @@ class PagedAttentionStep:
             return attend(chunk, rows, keys, values, scaling, softcap, mass)
 
         if len(chunks) == 1 and chunks[0].num_seqs * chunks[0].q_len == self.num_tokens:
-            return run(chunks[0], query)
-        out = query.new_empty(query.shape[0], query.shape[1], values.shape[2])
+            return run(chunks[0], query).to(out_dtype)
+        out = query.new_empty(query.shape[0], query.shape[1], values.shape[2], dtype=out_dtype)
         for chunk in chunks:
             result = run(chunk, query[chunk.rows])
             if isinstance(chunk.rows, slice):
                 out[chunk.rows] = result
             else:
-                out.index_copy_(0, chunk.rows, result)
+                out.index_copy_(0, chunk.rows, result.to(out_dtype))
         return out
 
     def attention_mass(self, groups: Collection[str] | None = None) -> list[torch.Tensor] | None:
@@ -398,11 +406,10 @@ def _attend_fresh_causal(
     """A fresh prompt's chunk ([T, H, D] queries over its own [T, Hkv, D] keys and values, in
     the cache's dtype): causal attention with no mask to build or read and no gather, and the
     fused kernel skips the blocks above the diagonal. Otherwise as _attend_chunk_fused."""
-    dtype = query.dtype
     q = query.to(keys.dtype).transpose(0, 1).unsqueeze(0)
     k, v = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
-    return out[0].transpose(0, 1).to(dtype)
+    return out[0].transpose(0, 1)
 
 
 def _attend_chunk_fused(
@@ -417,23 +424,24 @@ def _attend_chunk_fused(
     """_attend_chunk through scaled_dot_product_attention (no softcap, no mass). With a cache
     in another dtype than the queries (KV_CACHE_DTYPE), the queries are rounded to the cache's
     dtype and the fused kernel runs in it (it sums in float32), so the gathered keys and
-    values are read at their own size; the output comes back in the queries' dtype."""
+    values are read at their own size; the output comes back in the cache's dtype (the caller
+    casts it where it needs another)."""
     num_heads, num_kv_heads = query.shape[1], key_pool.shape[1]
     keys, values = _gather_keys_values(chunk, key_pool, value_pool)
-    mask, dtype = chunk.mask, query.dtype
-    if keys.dtype != dtype:
+    mask = chunk.mask
+    if keys.dtype != query.dtype:
         query, mask = query.to(keys.dtype), mask.to(keys.dtype)
     b = chunk.num_seqs
     if chunk.q_len == 1:
         # Decode: the query heads sharing a KV head are that head's query rows.
         q = query.reshape(b, num_kv_heads, num_heads // num_kv_heads, -1)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
-        return out.reshape(b, num_heads, -1).to(dtype)
+        return out.reshape(b, num_heads, -1)
     q = query.transpose(0, 1).unsqueeze(0)
     out = F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True
     )
-    return out[0].transpose(0, 1).to(dtype)
+    return out[0].transpose(0, 1)
 
 
 def _attend_chunk(
