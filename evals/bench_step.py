@@ -6,11 +6,12 @@ and residual adds fused (GemmaForCausalLM.fuse) and decode attention read in pla
 paged pools (the runner's paged_decode), or eager ops with gathered K/V and PyTorch's fused
 attention. A turn sends N requests of `--prompt-tokens` distinct
 token ids for `--output-tokens` tokens (EOS ignored) and times every engine step after the
-prefill: whole decode steps, scheduler and sampler included, as a server runs them. Every
+prefill: whole decode steps, scheduler and sampler included, as a server runs them, and where
+a fused step's time goes by phase (engine/step_profile.py). Every
 round runs each (way, N) once in a shuffled order, so the machine's drift hits both alike; the
 figure is the median decode step over all rounds.
 
-    python -m evals.bench_step [--users 1 16 32] [--rounds 8] [--output-tokens 24]
+    python -m evals.bench_step [--users 1 16 32 64] [--rounds 8] [--output-tokens 24]
 """
 
 from __future__ import annotations
@@ -18,15 +19,18 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import time
 
 import torch
 
-from engine.llm_engine import EngineConfig
+from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model import cpu_ops
 from engine.offline import LLM
+from engine.request import Sequence
 from engine.sampling import SamplingParams
 from engine.sched.scheduler import SchedulerConfig
-from evals.harness import engine_step_seconds, token_prompt, write_results
+from engine.step_profile import PHASES, StepProfile
+from evals.harness import token_prompt, write_results
 from evals.plots import bar_chart
 
 WAYS = ("eager ops", "fused kernels")
@@ -34,7 +38,7 @@ WAYS = ("eager ops", "fused kernels")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--users", type=int, nargs="+", default=[1, 16, 32])
+    parser.add_argument("--users", type=int, nargs="+", default=[1, 16, 32, 64])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=24)
@@ -55,6 +59,7 @@ def main() -> None:
     model, runner = llm.engine.backend.model, llm.engine.runner
     rng = random.Random(0)
     steps: dict[tuple[str, int], list[float]] = {(w, n): [] for w in WAYS for n in args.users}
+    phases: dict[tuple[str, int], list[dict]] = {(w, n): [] for w in WAYS for n in args.users}
     order = list(steps)
     for round_index in range(args.rounds + 1):  # the first round warms up
         rng.shuffle(order)
@@ -63,10 +68,10 @@ def main() -> None:
             runner.paged_decode = way == "fused kernels"
             prompts = [token_prompt(llm.tokenizer, rng, args.prompt_tokens) for _ in range(users)]
             params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
-            # Every step after the first, which prefills the prompts.
-            times = engine_step_seconds(llm.engine, prompts, params)[1:]
+            times, profile = decode_steps(llm.engine, prompts, params)
             if round_index:
                 steps[way, users] += times
+                phases[way, users].append(profile)
     model.fuse(True)
     runner.paged_decode = True
     ms = {key: 1000 * statistics.median(values) for key, values in steps.items()}
@@ -80,6 +85,17 @@ def main() -> None:
             f"| {n} | {eager:.2f} | {fused:.2f} | {100 * (1 - fused / eager):.1f}% "
             f"| {1000 * n / eager:.1f} | {1000 * n / fused:.1f} |"
         )
+    lines += [
+        "",
+        "Where a fused decode step goes (mean ms per phase, engine/step_profile.py):",
+        "",
+        "| N | " + " | ".join(PHASES) + " | step |",
+        "|---:|" + "---:|" * (len(PHASES) + 1),
+    ]
+    profiles = {n: mean_phases(phases["fused kernels", n]) for n in args.users}
+    for n, profile in profiles.items():
+        cells = " | ".join(f"{profile[phase]:.2f}" for phase in PHASES)
+        lines.append(f"| {n} | {cells} | {sum(profile.values()):.2f} |")
     markdown = "\n".join(lines)
     print(f"{torch.get_num_threads()} threads, {args.rounds} rounds")
     print(markdown)
@@ -88,6 +104,7 @@ def main() -> None:
         {"users": args.users, "rounds": args.rounds, "prompt_tokens": args.prompt_tokens,
          "output_tokens": args.output_tokens,
          "decode_step_ms": {way: {str(n): ms[way, n] for n in args.users} for way in WAYS},
+         "fused_phase_ms": {str(n): profile for n, profile in profiles.items()},
          "markdown": markdown},
     )  # fmt: skip
     bar_chart(
@@ -97,6 +114,28 @@ def main() -> None:
         "ms per step",
     )
     print(f"wrote {path}")
+
+
+def decode_steps(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
+) -> tuple[list[float], dict[str, float]]:
+    """Add a request per prompt, run the step that prefills them, then time every decode step
+    to the end; returns their seconds and the mean ms of each phase over them."""
+    for prompt in prompts:
+        engine.add(Sequence(list(prompt), params))
+    engine.step()  # the prefill (the budget covers every prompt)
+    engine.profile = StepProfile()
+    times = []
+    while engine.has_work:
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    summary = engine.profile.summary()["phases"]
+    return times, {phase: summary[phase]["ms"] for phase in PHASES}
+
+
+def mean_phases(profiles: list[dict[str, float]]) -> dict[str, float]:
+    return {phase: statistics.mean(p[phase] for p in profiles) for phase in PHASES}
 
 
 if __name__ == "__main__":
