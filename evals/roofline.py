@@ -52,7 +52,7 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
     counts: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, BFloat16GatedMLP):
-            size = 3 * module.in_features * module.hidden_features * 2
+            size = 3 * module.in_features * module.out_features * 2  # gate, up and down
         elif isinstance(module, nn.Linear):
             size = module.weight.numel() * module.weight.element_size()
         elif isinstance(
