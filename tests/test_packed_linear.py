@@ -20,6 +20,7 @@ from engine.model.linear_kernels import (
     _alternate_tiles,
     has_amx,
     int8_weight_max,
+    row_buckets,
     warm_up,
 )
 from tests.conftest import needs_bf16
@@ -232,6 +233,11 @@ def test_large_matrices_run_in_output_slices(rows: int) -> None:
     assert len(bf16.slices) == 3
     product = (x.bfloat16().double() @ weight.bfloat16().double().T).bfloat16().float()
     torch.testing.assert_close(bf16(x), product, rtol=8e-3, atol=1e-6)  # a bfloat16 step
+    # warm_up primes them with one call per slice shape, and they compute the same after it.
+    assert warm_up(torch.nn.Sequential(int8, bf16), rows, torch.float32) == 2 * len(
+        row_buckets(rows)
+    )
+    torch.testing.assert_close(int8(x), expected, rtol=1e-6, atol=1e-6)
 
 
 def int8_integers(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -234,6 +234,15 @@ class BFloat16Linear(nn.Module):
         self.bf16_out = False  # set by GemmaForCausalLM.fuse
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x, self.slices)
+
+    def prime(self, x: torch.Tensor) -> None:
+        """forward(x) with one slice of each shape run, the rest of the output left unset:
+        all that builds oneDNN's primitives for x's rows (warm_up), and the LM head's equal
+        slices then cost one call, not sixteen."""
+        self._run(x, list({tuple(packed.shape): packed for packed in self.slices}.values()))
+
+    def _run(self, x: torch.Tensor, slices: list[torch.Tensor]) -> torch.Tensor:
         dtype = torch.bfloat16 if self.bf16_out else x.dtype
         shape = (*x.shape[:-1], self.out_features)
         if self.tiles is not None and x.numel() <= PACKED_BF16_MAX_ROWS * self.in_features:
@@ -248,7 +257,7 @@ class BFloat16Linear(nn.Module):
             return out[:real].to(dtype).view(shape)
         out = x.new_empty((real, self.out_features), dtype=dtype)
         start = 0
-        for packed in self.slices:
+        for packed in slices:
             part = linear(rows, packed, None, "none", [], "")
             out[:, start : start + part.shape[1]] = part[:real]
             start += part.shape[1]
@@ -386,6 +395,15 @@ class OneDNNInt8Linear(nn.Module):
             self.compensation = (integers.sum(dim=1, dtype=torch.int32) * 128).int()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x, self.slices)
+
+    def prime(self, x: torch.Tensor) -> None:
+        """As BFloat16Linear.prime: forward(x) with one slice of each shape run (warm_up)."""
+        self._run(x, list({tuple(part[0].shape): part for part in self.slices}.values()))
+
+    def _run(
+        self, x: torch.Tensor, slices: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
         if self.tiles is not None and x.numel() <= PACKED_INT8_MAX_ROWS * self.in_features:
             out = cpu_ops.packed_int8_linear(
                 x.reshape(-1, self.in_features), self.tiles, self.tile_scales,
@@ -398,7 +416,7 @@ class OneDNNInt8Linear(nn.Module):
         real = x.numel() // self.in_features
         out = rows.new_empty((real, self.out_features))
         start = 0
-        for packed, scales, zero_points in self.slices:
+        for packed, scales, zero_points in slices:
             part = torch.ops.onednn.qlinear_pointwise(
                 quantized, 1 / 127, 0, packed, scales, zero_points,
                 None, 1.0, 0, torch.float32, "none", [], "",
@@ -431,7 +449,11 @@ def warm_up(model: nn.Module, max_rows: int, dtype: torch.dtype) -> int:
             continue
         seen.add(key)
         for rows in row_buckets(max_rows):  # oneDNN kernels are CPU-only
-            module(torch.zeros(rows, module.in_features, dtype=dtype))
+            x = torch.zeros(rows, module.in_features, dtype=dtype)
+            if isinstance(module, (BFloat16Linear, OneDNNInt8Linear)):
+                module.prime(x)  # one call per slice shape: the LM head's slices are equal
+            else:
+                module(x)
             calls += 1
     return calls
 
