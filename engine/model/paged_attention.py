@@ -406,9 +406,24 @@ def _attend_fresh_causal(
     """A fresh prompt's chunk ([T, H, D] queries over its own [T, Hkv, D] keys and values, in
     the cache's dtype): causal attention with no mask to build or read and no gather, and the
     fused kernel skips the blocks above the diagonal. Otherwise as _attend_chunk_fused."""
-    q = query.to(keys.dtype).transpose(0, 1).unsqueeze(0)
     k, v = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+    return _one_sequence_sdpa(query, k, v, scaling, mask=None)
+
+
+def _one_sequence_sdpa(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """One sequence's [T, H, D] queries over its [1, Hkv, K, D] keys and values through
+    scaled_dot_product_attention in the keys' dtype (query heads grouped onto KV heads), with
+    the additive `mask`, or causal where there is none; returns [T, H, D] in the keys' dtype."""
+    q = query.to(keys.dtype).transpose(0, 1).unsqueeze(0)
+    out = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=True
+    )
     return out[0].transpose(0, 1)
 
 
@@ -437,11 +452,7 @@ def _attend_chunk_fused(
         q = query.reshape(b, num_kv_heads, num_heads // num_kv_heads, -1)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
         return out.reshape(b, num_heads, -1)
-    q = query.transpose(0, 1).unsqueeze(0)
-    out = F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True
-    )
-    return out[0].transpose(0, 1)
+    return _one_sequence_sdpa(query, keys, values, scaling, mask)
 
 
 def _attend_chunk(
