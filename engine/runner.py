@@ -69,6 +69,8 @@ class ModelRunner:
             and self.kv_dtype in (torch.float32, torch.bfloat16)
             and cpu_ops.available()
         )
+        # The sampled rows' logits, kept between steps (see linear_kernels.slice_output).
+        self._logits_buffer: torch.Tensor | None = None
 
     def prepare(self, scheduled: list[ScheduledSeq], kv: KVCacheManager) -> ForwardBatch:
         """Map the pages of newly allocated multi-page blocks and apply the KV manager's pending
@@ -105,7 +107,7 @@ class ModelRunner:
             step,
             rows.to(self.device, torch.long),
         )
-        logits = self.backend.logits(hidden[:num_sampled])
+        logits = self.backend.logits(hidden[:num_sampled], self._logits_out(num_sampled))
         prompt_logprobs = None
         if batch.score_counts:
             scored = reduce_prompt_logprobs(
@@ -115,6 +117,15 @@ class ModelRunner:
         return ForwardOutput(
             logits=logits, prompt_logprobs=prompt_logprobs, attention_mass=step.attention_mass()
         )
+
+    def _logits_out(self, rows: int) -> torch.Tensor | None:
+        """A [rows, vocab] float32 view of the logits buffer, grown to the most rows asked for
+        so far; valid until the next forward, which is when the step has sampled from it."""
+        if self.device.type != "cpu" or rows == 0:
+            return None
+        if self._logits_buffer is None or self._logits_buffer.shape[0] < rows:
+            self._logits_buffer = torch.empty((rows, self.backend.vocab_size))
+        return self._logits_buffer[:rows]
 
     @staticmethod
     def record_attention(

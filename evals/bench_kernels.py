@@ -83,15 +83,16 @@ def onednn_only(module_class: type[BFloat16Linear] | type[OneDNNInt8Linear]):
 
 
 # Each kernel as the server runs it, and oneDNN alone where the server runs cpu_ops' packed
-# kernels at some row counts (PackedLinear: all; bf16: 1 row; oneDNN int8: 1-2 rows). Both int8
-# libraries, whichever `int8` picks on this CPU (int8_linear_class).
+# kernels at some row counts (PackedLinear: all; bf16: up to 4 rows; int8: up to 4 rows, or
+# every row count where cpu_ops has AMX tiles). Both int8 libraries, whichever `int8` picks on
+# this CPU (int8_linear_class).
 KERNELS: dict[str, Callable[[torch.Tensor], Call]] = {
     "exact (float32 F.linear)": lambda w: lambda x: F.linear(x, w),
     "packed (float32, as served)": PackedLinear,
     "packed (float32, oneDNN)": float32_onednn,
     "bf16 (as served)": BFloat16Linear,
     "bf16 (oneDNN)": onednn_only(BFloat16Linear),
-    "int8 (oneDNN, as served)": OneDNNInt8Linear,
+    "int8 (as served)": OneDNNInt8Linear,
     "int8 (oneDNN only)": onednn_only(OneDNNInt8Linear),
     "int8 (fbgemm)": DynamicInt8Linear,
 }

@@ -185,6 +185,22 @@ def test_bad_inputs_are_refused() -> None:
         cpu_ops.norm_rope(x, 4, 1, 8, torch.ones(8), torch.ones(2, 8), torch.ones(2, 8), EPS)
 
 
+@pytest.mark.parametrize("part_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_scale", [True, False])
+def test_scatter_columns_writes_what_torch_writes(part_dtype, with_scale) -> None:
+    """A slice's rows (more than out has: a GEMM's padded rows) land in their columns of out,
+    times each row's scale, as torch.mul rounds it; the other columns are untouched."""
+    generator = torch.Generator().manual_seed(7)
+    part = torch.randn(8, 48, generator=generator).to(part_dtype)
+    scale = torch.rand(8, 1, generator=generator) + 0.5
+    out = torch.full((5, 130), -7.0)
+    cpu_ops.scatter_columns(part, scale if with_scale else None, out, 40)
+    expected = torch.full((5, 130), -7.0)
+    rows = part[:5].float()
+    expected[:, 40:88] = rows * scale[:5] if with_scale else rows
+    assert torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("value_dtype", [torch.float32, torch.bfloat16])
 def test_store_kv_equals_index_copy_of_the_cast_rows(pool_dtype, value_dtype) -> None:

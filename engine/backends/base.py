@@ -64,8 +64,9 @@ class InferenceBackend(ABC):
         `step`."""
 
     @abstractmethod
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head (and final softcap) on hidden states: [N, vocab] float32."""
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The LM head (and final softcap) on hidden states: [N, vocab] float32, written into
+        `out` (a buffer reused between steps) where the head's kernel can."""
 
     def forward(
         self,

@@ -33,8 +33,8 @@ class CustomBackend(InferenceBackend):
     ) -> torch.Tensor:
         return self.model.hidden_states(input_ids, positions, step, rows)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.logits(hidden)
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.logits(hidden, out)
 
     def warm_up(self, max_tokens: int, max_seqs: int) -> int:
         calls = warm_up(self.model.model, max_tokens, self.dtype)

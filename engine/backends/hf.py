@@ -27,7 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from engine.backends.base import InferenceBackend
 from engine.model.architecture import GemmaTextConfig, architecture_from_config
-from engine.model.linear_kernels import quantize_model, warm_up
+from engine.model.linear_kernels import quantize_model, run_head, warm_up
 from engine.model.paged_attention import PagedAttentionStep
 
 ATTENTION_NAME = "gemma_serve_paged"
@@ -127,9 +127,9 @@ class HFBackend(InferenceBackend):
         )
         return out.last_hidden_state[0].index_select(0, rows)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """As Gemma3ForCausalLM / Gemma4ForCausalLM compute them from the hidden states."""
-        logits = self.model.lm_head(hidden)
+        logits = run_head(self.model.lm_head, hidden, out)
         cap = self.model.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -196,13 +196,24 @@ def packed_int8_linear(
     scales: torch.Tensor,
     compensation: torch.Tensor,
     out_features: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [rows, I] @ W.T for int8 weights packed by pack_linear_weight, each row of x quantized
     to int8 at its own scale (its largest magnitude to 127), as OneDNNInt8Linear quantizes:
     float32 [rows, out_features] = the exact int32 sums (less `compensation`, 128 * W's row sums,
     for the uint8 offset the kernel's instruction takes) * scales (per output) * the row's
-    largest magnitude."""
-    return torch.ops.gemma_cpu.packed_int8_linear(x, packed, scales, compensation, out_features)
+    largest magnitude, written into `out` where given. The sums are exact, so a row's outputs
+    are the same alone or in any batch; more than a few rows run on AMX tiles where
+    packed_int8_amx says so."""
+    return torch.ops.gemma_cpu.packed_int8_linear(
+        x, packed, scales, compensation, out_features, out
+    )
+
+
+def packed_int8_amx(inputs: int) -> bool:
+    """Whether packed_int8_linear runs many rows on AMX tiles for weights of `inputs` inputs:
+    built with AMX, the kernel allowed to use it, and `inputs` a multiple of 64."""
+    return bool(torch.ops.gemma_cpu.packed_int8_amx(inputs))
 
 
 def packed_gated_mlp(
@@ -228,3 +239,12 @@ def gumbel_argmax(
     smaller id (csrc/cpu_ops.cpp says which hash; engine/sampler.py's _race_torch is the same
     race in torch ops). int64 [R]; the smallest id for a row whose logits are all -inf."""
     return torch.ops.gemma_cpu.gumbel_argmax(logits, inverse_temperature, keys, ids)
+
+
+def scatter_columns(
+    part: torch.Tensor, row_scale: torch.Tensor | None, out: torch.Tensor, column: int
+) -> None:
+    """out[r, column + j] = part[r, j], times row_scale[r] where given, for every row of `out`
+    (float32 [R, W]; `part` float32 or bfloat16 with at least R rows): one slice of a sliced
+    GEMM written into its columns while still in cache, rounded as torch.mul rounds."""
+    torch.ops.gemma_cpu.scatter_columns(part, row_scale, out, column)

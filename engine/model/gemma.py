@@ -35,6 +35,7 @@ from engine.model.linear_kernels import (
     make_fused_mlp,
     make_linear,
     quantize_model,
+    run_head,
 )
 from engine.model.paged_attention import PagedAttentionStep
 
@@ -471,10 +472,11 @@ class GemmaForCausalLM(nn.Module):
         hidden = self.model(input_ids, positions, step)
         return self.model.norm(hidden.index_select(0, rows))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, vocab] float32 of final hidden states."""
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [N, vocab] float32 of final hidden states. A sliced fast head writes them into
+        `out` where it is [N, vocab] float32 (a buffer the caller reuses: see slice_output)."""
         if self.fast_head is not None:
-            logits = self.fast_head(hidden)
+            logits = run_head(self.fast_head, hidden, out)
         else:
             logits = F.linear(hidden, self.lm_head_weight)
         cap = self.arch.final_logit_softcapping

@@ -193,6 +193,39 @@ def output_slices(weight: torch.Tensor) -> list[torch.Tensor]:
     return [part.contiguous() for part in weight.split(OUTPUT_SLICE)]
 
 
+def slice_output(
+    out: torch.Tensor | None, rows: int, columns: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Where a sliced GEMM writes its [rows, columns] result: `out`, a buffer its caller keeps
+    between steps, where it has that shape and dtype, else a new tensor. A fresh 64-row LM
+    head output is 64 MiB, which the allocator maps anew on every call and the first write
+    faults in page by page (`python -m evals.bench_step` shows it in the forward phase)."""
+    if (
+        out is not None
+        and out.shape == (rows, columns)
+        and out.dtype == dtype
+        and out.is_contiguous()
+    ):
+        return out
+    return torch.empty((rows, columns), dtype=dtype)
+
+
+def scatter_columns(
+    part: torch.Tensor, row_scale: torch.Tensor | None, out: torch.Tensor, column: int
+) -> None:
+    """out[:, column:column + W] = part[:R] (* row_scale[:R]), R = out's rows, W = part's
+    columns: by cpu_ops' kernel where it is built (a strided torch.mul is slower) and the
+    output is float32, else by torch."""
+    rows, columns = out.shape[0], part.shape[1]
+    target = out[:, column : column + columns]
+    if out.dtype == torch.float32 and cpu_ops.available():
+        cpu_ops.scatter_columns(part, row_scale, out, column)
+    elif row_scale is None:
+        target.copy_(part[:rows])
+    else:
+        torch.mul(part[:rows], row_scale[:rows], out=target)
+
+
 # Rows up to which the bfloat16 layers run cpu_ops' packed kernels rather than oneDNN's: a few
 # streams' decode steps, where reading the weights is all the time there is and the packed
 # kernel reads them once as a stream for every row; from about eight rows oneDNN's AMX tiles
@@ -200,7 +233,8 @@ def output_slices(weight: torch.Tensor) -> list[torch.Tensor]:
 PACKED_BF16_MAX_ROWS = 4
 
 
-# The same for the int8 kernel (OneDNNInt8Linear) and cpu_ops' VNNI kernel, measured the same.
+# The same for the int8 kernel (OneDNNInt8Linear) and cpu_ops' VNNI kernel, measured the same,
+# on a CPU whose build of cpu_ops has no AMX tiles (with them, cpu_ops serves every row count).
 PACKED_INT8_MAX_ROWS = 4
 
 
@@ -233,8 +267,10 @@ class BFloat16Linear(nn.Module):
         self.tiles = _bf16_tiles(weight)
         self.bf16_out = False  # set by GemmaForCausalLM.fuse
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._run(x, self.slices)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T; a sliced output (the LM head's) goes into `out` where it is given and
+        shaped [rows, out_features] in the output's dtype (see slice_output)."""
+        return self._run(x, self.slices, out)
 
     def prime(self, x: torch.Tensor) -> None:
         """forward(x) with one slice of each shape run, the rest of the output left unset:
@@ -242,7 +278,9 @@ class BFloat16Linear(nn.Module):
         slices then cost one call, not sixteen."""
         self._run(x, list({tuple(packed.shape): packed for packed in self.slices}.values()))
 
-    def _run(self, x: torch.Tensor, slices: list[torch.Tensor]) -> torch.Tensor:
+    def _run(
+        self, x: torch.Tensor, slices: list[torch.Tensor], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         dtype = torch.bfloat16 if self.bf16_out else x.dtype
         shape = (*x.shape[:-1], self.out_features)
         if self.tiles is not None and x.numel() <= PACKED_BF16_MAX_ROWS * self.in_features:
@@ -255,11 +293,11 @@ class BFloat16Linear(nn.Module):
         if len(self.slices) == 1:
             out = linear(rows, self.slices[0], None, "none", [], "")
             return out[:real].to(dtype).view(shape)
-        out = x.new_empty((real, self.out_features), dtype=dtype)
+        out = slice_output(out, real, self.out_features, dtype)
         start = 0
         for packed in slices:
             part = linear(rows, packed, None, "none", [], "")
-            out[:, start : start + part.shape[1]] = part[:real]
+            scatter_columns(part, None, out, start)
             start += part.shape[1]
         return out.view(shape)
 
@@ -387,34 +425,52 @@ class OneDNNInt8Linear(nn.Module):
                 output_slices(integers), output_slices(self.weight_scales), strict=True
             )
         ]
-        # The same integers for a few rows (PACKED_INT8_MAX_ROWS) by cpu_ops.packed_int8_linear.
+        # The same integers for a few rows (PACKED_INT8_MAX_ROWS) by cpu_ops.packed_int8_linear,
+        # and for every row count where that kernel has AMX tiles (amx_tiles): its sums are
+        # exact and its rescale the same at any row count, so a row's outputs do not depend on
+        # its batch, and it streams the weights faster than oneDNN from 5 to 64 rows
+        # (`python -m evals.bench_kernels`).
         self.tiles: torch.Tensor | None = None
+        self.amx_tiles = False
         if cpu_ops.packed_linear_supported(torch.int8):
             self.tiles = cpu_ops.pack_linear_weight(integers)
             self.tile_scales = self.weight_scales / 127
             self.compensation = (integers.sum(dim=1, dtype=torch.int32) * 128).int()
+            self.amx_tiles = cpu_ops.packed_int8_amx(self.in_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._run(x, self.slices)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """As BFloat16Linear.forward: a sliced output goes into `out` where it fits."""
+        return self._run(x, self.slices, out)
 
     def prime(self, x: torch.Tensor) -> None:
-        """As BFloat16Linear.prime: forward(x) with one slice of each shape run (warm_up)."""
+        """As BFloat16Linear.prime: forward(x) with one slice of each shape run (warm_up);
+        nothing where cpu_ops' kernel serves every row count (it keeps no per-shape state)."""
+        if self._packed_rows(x.numel() // self.in_features):
+            return
         self._run(x, list({tuple(part[0].shape): part for part in self.slices}.values()))
 
+    def _packed_rows(self, rows: int) -> bool:
+        """Whether cpu_ops.packed_int8_linear computes `rows` rows (else oneDNN does)."""
+        return self.tiles is not None and (self.amx_tiles or rows <= PACKED_INT8_MAX_ROWS)
+
     def _run(
-        self, x: torch.Tensor, slices: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+        self,
+        x: torch.Tensor,
+        slices: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if self.tiles is not None and x.numel() <= PACKED_INT8_MAX_ROWS * self.in_features:
-            out = cpu_ops.packed_int8_linear(
+        real = x.numel() // self.in_features
+        if self.tiles is not None and self._packed_rows(real):
+            result = cpu_ops.packed_int8_linear(
                 x.reshape(-1, self.in_features), self.tiles, self.tile_scales,
                 self.compensation, self.out_features,
+                slice_output(out, real, self.out_features, torch.float32),
             )  # fmt: skip
-            return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+            return result.view(*x.shape[:-1], self.out_features).to(x.dtype)
         dtype, rows = x.dtype, padded_rows(x, self.in_features, torch.float32)
         row_max = rows.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
         quantized = (rows * (127 / row_max)).round_().to(torch.int8)
-        real = x.numel() // self.in_features
-        out = rows.new_empty((real, self.out_features))
+        out = slice_output(out, real, self.out_features, torch.float32)
         start = 0
         for packed, scales, zero_points in slices:
             part = torch.ops.onednn.qlinear_pointwise(
@@ -422,12 +478,19 @@ class OneDNNInt8Linear(nn.Module):
                 None, 1.0, 0, torch.float32, "none", [], "",
             )  # fmt: skip
             # Scaled while the slice is still in cache, straight into its columns.
-            torch.mul(part[:real], row_max[:real], out=out[:, start : start + part.shape[1]])
+            scatter_columns(part, row_max, out, start)
             start += part.shape[1]
         return out.view(*x.shape[:-1], self.out_features).to(dtype)
 
 
 _ONEDNN_KERNELS = (PackedLinear, BFloat16Linear, BFloat16GatedMLP, OneDNNInt8Linear)
+
+
+def run_head(head: nn.Module, hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """head(hidden), written into `out` by the kernels that slice their output (slice_output)."""
+    if isinstance(head, (BFloat16Linear, OneDNNInt8Linear)):
+        return head(hidden, out=out)
+    return head(hidden)
 
 
 @torch.inference_mode()

@@ -769,6 +769,45 @@ at::Tensor gumbel_argmax(const at::Tensor& logits, const at::Tensor& inverse_tem
   return out;
 }
 
+// out[r, column + j] = part[r, j] (* row_scale[r]) for the rows of out: one slice of a sliced
+// GEMM's output (float32 or bfloat16, rows contiguous) put into its columns of the whole
+// float32 output while it is still in cache. One multiply per value, as torch.mul rounds.
+void scatter_columns(const at::Tensor& part, const std::optional<at::Tensor>& row_scale,
+                     at::Tensor& out, int64_t column) {
+  TORCH_CHECK(part.dim() == 2 && out.dim() == 2 && part.stride(1) == 1 && out.stride(1) == 1,
+              "part and out must be [R, W] with contiguous rows");
+  check_float(out, "out");
+  const int64_t rows = out.size(0), width = part.size(1);
+  TORCH_CHECK(part.size(0) >= rows && column >= 0 && column + width <= out.size(1),
+              "part must cover out's rows and fit its columns");
+  check_activation(part, "part");
+  at::Tensor scale;
+  if (row_scale.has_value()) {
+    scale = row_scale->contiguous();
+    check_float(scale, "row_scale");
+    TORCH_CHECK(scale.numel() >= rows, "row_scale must hold one value per row");
+  }
+  const float* scales = scale.defined() ? scale.data_ptr<float>() : nullptr;
+  float* o = out.data_ptr<float>() + column;
+  const int64_t out_stride = out.stride(0), part_stride = part.stride(0);
+  with_activation_type(part, [&](auto type) {
+    const auto* source = part.data_ptr<decltype(type)>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        float* dst = o + row * out_stride;
+        load_row(source + row * part_stride, dst, width);
+        if (scales != nullptr) {
+          const float s = scales[row];
+#pragma omp simd
+          for (int64_t j = 0; j < width; ++j) {
+            dst[j] *= s;
+          }
+        }
+      }
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(gemma_cpu, m) {
@@ -788,6 +827,8 @@ TORCH_LIBRARY(gemma_cpu, m) {
   m.def(
       "gumbel_argmax(Tensor logits, Tensor inverse_temperature, Tensor keys, Tensor? ids=None) "
       "-> Tensor");
+  m.def(
+      "scatter_columns(Tensor part, Tensor? row_scale, Tensor(a!) out, int column) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(gemma_cpu, CPU, m) {
@@ -797,4 +838,5 @@ TORCH_LIBRARY_IMPL(gemma_cpu, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("store_kv", &store_kv);
   m.impl("gumbel_argmax", &gumbel_argmax);
+  m.impl("scatter_columns", &scatter_columns);
 }

@@ -20,6 +20,10 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -295,6 +299,124 @@ inline float gelu_tanh(float x) {
   return 0.5f * x * (1.f + t);
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+// ---- AMX: many rows of the int8 kernel ----
+//
+// From a few rows on, the int8 products are AMX tile work: tdpbusd multiplies a 16 x 64 tile of
+// uint8 inputs by a 16 x (16 x 4) tile of int8 weights into 16 x 16 int32 sums. The packed
+// layout already holds such weight tiles: 16 outputs' quadruples of one unit are 64 contiguous
+// bytes, and the next unit's sit 256 bytes on, so a tile loads in place with a 256-byte stride.
+// The sums are exact either way, so AMX and VNNI give the same int32 sums and, through the same
+// rescale, the same float32 outputs at any row count.
+
+constexpr int64_t kAmxRows = 16;           // rows per A / C tile
+constexpr int64_t kAmxUnits = 16;          // units (64 int8 inputs) per K step
+constexpr int64_t kAmxRowBlock = 4 * kAmxRows;  // rows per pass: four C tiles
+
+struct TileConfig {  // the LDTILECFG operand, palette 1
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux lets a process use AMX tile data once it asked for it (oneDNN asks too).
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+// sums[r][0..64) for rows [row0, row0 + 64) of q (uint8, row stride q_stride, rows padded to
+// a multiple of 16) against one 64-output tile of packed int8 weights (`units` units, a multiple
+// of 16); `next` (the tile run after this one) is prefetched into L2 meanwhile. Tiles 0-3 hold
+// the sums, 4, 6 and 7 the inputs, 5 the weights; the caller has loaded the configuration.
+void amx_tile_sums(const uint8_t* q, int64_t q_stride, int64_t row0, int64_t row_tiles,
+                   const int8_t* tile, int64_t units, const int8_t* next, int32_t* sums) {
+  constexpr int64_t kUnitBytes = kTile * 4;  // one unit of a 64-output tile
+  for (int64_t part = 0; part < 4; ++part) {   // 16 outputs at a time
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t unit = 0; unit < units; unit += kAmxUnits) {
+      const int8_t* w = tile + unit * kUnitBytes + part * 64;
+      if (next != nullptr) {  // the next tile in order, a 1/(4 * steps) share at a time
+        const char* ahead = reinterpret_cast<const char*>(next) +
+                            (part * units + unit) * kUnitBytes / 4;
+        for (int64_t line = 0; line < kAmxUnits; ++line) {
+          _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
+        }
+      }
+      _tile_loadd(5, w, kUnitBytes);
+      const uint8_t* a = q + row0 * q_stride + unit * 4;
+      _tile_loadd(4, a, q_stride);
+      _tile_dpbusd(0, 4, 5);
+      if (row_tiles > 1) {
+        _tile_loadd(6, a + kAmxRows * q_stride, q_stride);
+        _tile_dpbusd(1, 6, 5);
+      }
+      if (row_tiles > 2) {
+        _tile_loadd(7, a + 2 * kAmxRows * q_stride, q_stride);
+        _tile_dpbusd(2, 7, 5);
+      }
+      if (row_tiles > 3) {
+        _tile_loadd(6, a + 3 * kAmxRows * q_stride, q_stride);
+        _tile_dpbusd(3, 6, 5);
+      }
+    }
+    constexpr int64_t kSumStride = kTile * 4;  // bytes per row of sums
+    int32_t* at = sums + part * 16;
+    _tile_stored(0, at, kSumStride);
+    if (row_tiles > 1) _tile_stored(1, at + kAmxRows * kTile, kSumStride);
+    if (row_tiles > 2) _tile_stored(2, at + 2 * kAmxRows * kTile, kSumStride);
+    if (row_tiles > 3) _tile_stored(3, at + 3 * kAmxRows * kTile, kSumStride);
+  }
+}
+
+// Every tile's sums for all rows of q (padded_rows of them), tiles split between threads;
+// epilogue(t, row0, sums) gets rows [row0, row0 + 64) of tile t (sums [64][64], row-major).
+template <typename Epilogue>
+void amx_int8_tiles(const uint8_t* q, int64_t q_stride, int64_t padded_rows, const int8_t* packed,
+                    int64_t tiles, int64_t units, Epilogue epilogue) {
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    TileConfig config;
+    for (int t = 0; t < 8; ++t) {
+      config.rows[t] = kAmxRows;
+      config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+    std::vector<int32_t> sums(kAmxRowBlock * kTile);
+    for (int64_t t = begin; t < end; ++t) {
+      const int8_t* tile = packed + t * units * kTile * 4;
+      for (int64_t row0 = 0; row0 < padded_rows; row0 += kAmxRowBlock) {
+        const int64_t row_tiles = std::min<int64_t>(4, (padded_rows - row0) / kAmxRows);
+        const bool last = row0 + kAmxRowBlock >= padded_rows;
+        const int8_t* next = last && t + 1 < end ? tile + units * kTile * 4 : nullptr;
+        amx_tile_sums(q, q_stride, row0, row_tiles, tile, units, next, sums.data());
+        epilogue(t, row0, sums.data());
+      }
+    }
+    _tile_release();
+    _mm_sfence();  // the streaming stores are visible before the caller reads the outputs
+  });
+}
+
+constexpr bool kAmxInt8Kernel = true;
+#else
+constexpr bool kAmxInt8Kernel = false;
+bool amx_permitted() { return false; }
+#endif
+
+// Whether packed_int8_linear runs many rows on AMX tiles for weights of `inputs` inputs.
+bool packed_int8_amx(int64_t inputs) {
+  return kAmxInt8Kernel && inputs % (4 * 16) == 0 && amx_permitted();
+}
+
 // ---- The ops ----
 
 // weight [O, I] float32, bfloat16 or int8 -> tiles of 64 outputs ([ceil(O / 64), I, 64]
@@ -359,10 +481,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // OneDNNInt8Linear quantizes: each row scaled so its largest magnitude is 127 and rounded to
 // int8 (to nearest even), stored as uint8 q + 128; the products summed exactly in int32, less
 // compensation[o] = 128 * sum_i W[o, i]; then float(sum) * scales[o] (the weight's scale over
-// 127) * the row's largest magnitude. Returns [rows, out_features] float32.
+// 127) * the row's largest magnitude. Rows past kMaxRows run on AMX tiles where
+// packed_int8_amx(I). Returns [rows, out_features] float32: `out` where given.
 at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed,
                               const at::Tensor& scales, const at::Tensor& compensation,
-                              int64_t out_features) {
+                              int64_t out_features, const std::optional<at::Tensor>& out_opt) {
   TORCH_CHECK(packed.scalar_type() == at::kChar, "the packed weight must be int8");
   check_packed(x, packed, out_features);
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
@@ -370,13 +493,24 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed,
                   compensation.is_contiguous() && compensation.numel() == out_features,
               "scales (float32) and compensation (int32) need one value per output");
   const int64_t rows = x.size(0), count = packed.size(1), width = x.size(1);
-  at::Tensor out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
+  at::Tensor out;
+  if (out_opt.has_value()) {
+    out = *out_opt;
+    TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+                    out.dim() == 2 && out.size(0) == rows && out.size(1) == out_features,
+                "out must be a contiguous float32 [rows, out_features] CPU tensor");
+  } else {
+    out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
+  }
   if (rows == 0) {
     return out;
   }
 #if defined(__AVX512VNNI__)
+  const bool amx = rows > kMaxRows && packed_int8_amx(4 * count);
+  // AMX reads whole 16-row tiles: the padding rows are zeros (uint8 128).
+  const int64_t padded = amx ? (rows + kAmxRows - 1) / kAmxRows * kAmxRows : rows;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor quantized = at::full({rows, 4 * count}, 128, x.options().dtype(at::kByte));
+  at::Tensor quantized = at::full({padded, 4 * count}, 128, x.options().dtype(at::kByte));
   std::vector<float> row_max(rows);
   const float* in = xf.data_ptr<float>();
   uint8_t* q = quantized.data_ptr<uint8_t>();
@@ -395,18 +529,46 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed,
   const float* sc = scales.data_ptr<float>();
   const int32_t* comp = compensation.data_ptr<int32_t>();
   float* o = out.data_ptr<float>();
+  // sums [block rows][64] of rows [row0, row0 + block rows) and tile t, rescaled into out.
+  const auto rescale = [&](int64_t t, int64_t row0, int64_t block_rows, const int32_t* sums) {
+    const int64_t first = t * kTile, n = std::min(kTile, out_features - first);
+    for (int64_t r = 0; r < block_rows && row0 + r < rows; ++r) {
+      const float top = row_max[row0 + r];
+      float* dst = o + (row0 + r) * out_features + first;
+      const int32_t* sr = sums + r * kTile;
+#if defined(__AVX512F__)
+      // Many rows' outputs (the LM head's logits) outgrow the caches: streaming stores write
+      // them without reading their lines in first.
+      if (n == kTile && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
+        const __m512 t = _mm512_set1_ps(top);
+        for (int64_t j = 0; j < kTile; j += 16) {
+          const __m512i exact = _mm512_sub_epi32(_mm512_loadu_si512(sr + j),
+                                                 _mm512_loadu_si512(comp + first + j));
+          const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(exact),
+                                              _mm512_loadu_ps(sc + first + j));
+          _mm512_stream_ps(dst + j, _mm512_mul_ps(scaled, t));
+        }
+        continue;
+      }
+#endif
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        dst[j] = static_cast<float>(sr[j] - comp[first + j]) * sc[first + j] * top;
+      }
+    }
+  };
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+  if (amx) {
+    amx_int8_tiles(q, 4 * count, padded, packed.data_ptr<int8_t>(), packed.size(0), count,
+                   [&](int64_t t, int64_t row0, const int32_t* sums) {
+                     rescale(t, row0, kAmxRowBlock, sums);
+                   });
+    return out;
+  }
+#endif
   run_tiles<Int8Units>(reinterpret_cast<const uint32_t*>(q), rows, count,
-                     packed.data_ptr<int8_t>(), packed.size(0), count, 1,
-                     [&](int64_t t, const int32_t* sums) {
-                       const int64_t first = t * kTile, n = std::min(kTile, out_features - first);
-                       for (int64_t r = 0; r < rows; ++r) {
-                         for (int64_t j = 0; j < n; ++j) {
-                           const int32_t exact = sums[r * kTile + j] - comp[first + j];
-                           o[r * out_features + first + j] =
-                               static_cast<float>(exact) * sc[first + j] * row_max[r];
-                         }
-                       }
-                     });
+                       packed.data_ptr<int8_t>(), packed.size(0), count, 1,
+                       [&](int64_t t, const int32_t* sums) { rescale(t, 0, rows, sums); });
 #endif
   return out;
 }
@@ -459,7 +621,8 @@ TORCH_LIBRARY_FRAGMENT(gemma_cpu, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int out_features, bool bf16_out) -> Tensor");
   m.def(
       "packed_int8_linear(Tensor x, Tensor packed, Tensor scales, Tensor compensation, "
-      "int out_features) -> Tensor");
+      "int out_features, Tensor(a!)? out=None) -> Tensor");
+  m.def("packed_int8_amx(int inputs) -> bool");
   m.def(
       "packed_gated_mlp(Tensor x, Tensor gate_up, Tensor down, int hidden, int out_features) "
       "-> Tensor");
@@ -474,4 +637,5 @@ TORCH_LIBRARY_IMPL(gemma_cpu, CPU, m) {
 
 TORCH_LIBRARY_IMPL(gemma_cpu, CompositeExplicitAutograd, m) {
   m.impl("packed_linear_supported", &packed_linear_supported);
+  m.impl("packed_int8_amx", &packed_int8_amx);
 }
