@@ -59,7 +59,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     MAX_QUEUE_LEN: int = 256
     MAX_INFLIGHT_PER_TENANT: int | None = None  # accepted, unfinished requests; None: no limit
     MAX_INFLIGHT_PER_SESSION: int | None = None
-    MAX_NUM_BATCHED_TOKENS: int = 512  # per-step token budget (prefill chunks + decodes)
+    MAX_NUM_BATCHED_TOKENS: int = 2048  # per-step token budget (prefill chunks + decodes)
     SCHEDULING_POLICY: Literal["fcfs", "vtc"] = "vtc"
     # VTC's service weights (Sheng et al., OSDI 2024): w_p per prompt token computed, w_q per
     # output token; the per-tenant service ledger (/api/metrics) uses the same weights.

@@ -168,6 +168,37 @@ def test_fused_attention_matches_reference(group_name, layer, collect_attention,
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cached, shuffled, blocks", [(0, False, 12), (5, False, 12), (5, True, 0)])
+def test_fused_prefill_past_the_window_attends_in_query_blocks(cached, shuffled, blocks):
+    """A prompt chunk longer than the sliding window (12 queries, window 4, after `cached`
+    earlier keys) attends in blocks of query rows over the key columns each block can see.
+    With its key columns out of position order each block would span nearly all of them, so
+    the chunk stays one call. Either way to float32 rounding of the float64 reference."""
+    layer = 0  # sliding
+    _, cache, generator = random_cache(layer, seed=3)
+    total = cached + 12
+    positions = torch.randperm(total, generator=generator).tolist() if shuffled else range(total)
+    keys = [(100 + 2 * p, p) for p in positions]
+    group = group_attention([100 + 2 * p for p in range(cached, total)], [keys], width=total)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(12, dtype=torch.long),
+        positions=torch.arange(cached, total),
+        query_start=[0, 12],
+        groups={"full": group, "sliding": group},
+        logits_indices=torch.tensor([11]),
+    )
+    windows = {"full": None, "sliding": WINDOW}
+    step = PagedAttentionStep(batch, cache, windows, CPU, torch.float32, fused=True)
+    (chunk,) = step.plans["sliding"].chunks
+    assert len(chunk.query_blocks) == blocks  # window 4 // WINDOW_BLOCKS: a row per block
+    query = torch.randn(12, HEADS, HEAD_DIM, generator=generator)
+    out = step.attend(layer, query, scaling=0.3)
+    expected, _ = reference(
+        query, cache.keys[layer], cache.values[layer], batch, group, WINDOW, 0.3, None
+    )
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("group_name, layer", [("sliding", 0), ("full", 1)])
 def test_fused_fresh_prompt_reads_its_own_keys(group_name, layer, monkeypatch):
     """The fresh prefill of positions 0..3 (the batch's last sequence) attends causally to

@@ -69,6 +69,10 @@ class _Chunk:
     # A prefill chunk whose keys are its own queries' positions, 0 to q_len - 1, all visible
     # causally (no earlier keys, no window cutting in): its keys are this step's fresh ones.
     causal_fresh: bool = False
+    # A sequence's prefill chunk longer than its sliding window, in blocks of query rows, each
+    # with the key columns its rows can see: (first row, row end, first column, column end).
+    # Each block attends over its columns only, not the whole chunk's (_window_blocks).
+    query_blocks: tuple[tuple[int, int, int, int], ...] = ()
 
 
 class _GroupPlan:
@@ -209,6 +213,9 @@ def _make_chunk(
         and bool(torch.equal(query_positions[0], torch.arange(q_len, device=visible.device)))
         and bool(group.key_valid[seqs, :width].all())
     )
+    blocks = ()
+    if window is not None and q_len > 1 and key_slots.shape[0] == 1 and not causal_fresh:
+        blocks = _window_blocks(visible[0], max(1, window // WINDOW_BLOCKS))
     return _Chunk(
         rows=rows if isinstance(rows, slice) else rows.to(device),
         seqs=seqs if isinstance(seqs, slice) else seqs.to(device),
@@ -218,7 +225,30 @@ def _make_chunk(
         key_slots=key_slots.reshape(-1).to(device),
         mask=mask[:, None].to(device),
         causal_fresh=causal_fresh,
+        query_blocks=blocks,
     )
+
+
+# Query blocks per sliding window in a long prefill chunk: each block of window / 4 rows sees
+# at most 1.25 windows of keys, against the chunk's whole width for one masked call
+# (`python -m evals.bench_peers`' long-prompt point; a fused kernel computes masked-out keys).
+WINDOW_BLOCKS = 4
+
+
+def _window_blocks(visible: torch.Tensor, block_rows: int) -> tuple[tuple[int, int, int, int], ...]:
+    """`visible` ([q_len, width] bool) in blocks of `block_rows` query rows, each with the span
+    of key columns any of its rows sees; none where that would not save a quarter of the
+    work."""
+    q_len, width = visible.shape
+    blocks = []
+    for start in range(0, q_len, block_rows):
+        end = min(q_len, start + block_rows)
+        columns = visible[start:end].any(dim=0).nonzero()
+        if columns.numel() == 0:  # rows that see nothing: the whole-width call handles them
+            return ()
+        blocks.append((start, end, int(columns[0]), int(columns[-1]) + 1))
+    work = sum((end - start) * (last - first) for start, end, first, last in blocks)
+    return tuple(blocks) if work <= 0.75 * q_len * width else ()
 
 
 class PagedAttentionStep:
@@ -452,7 +482,18 @@ def _attend_chunk_fused(
         q = query.reshape(b, num_kv_heads, num_heads // num_kv_heads, -1)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
         return out.reshape(b, num_heads, -1)
-    return _one_sequence_sdpa(query, keys, values, scaling, mask)
+    if not chunk.query_blocks:
+        return _one_sequence_sdpa(query, keys, values, scaling, mask)
+    out = query.new_empty(query.shape[0], num_heads, values.shape[-1], dtype=keys.dtype)
+    for start, end, first, last in chunk.query_blocks:
+        out[start:end] = _one_sequence_sdpa(
+            query[start:end],
+            keys[:, :, first:last],
+            values[:, :, first:last],
+            scaling,
+            mask[:, :, start:end, first:last],
+        )
+    return out
 
 
 def _attend_chunk(

@@ -47,7 +47,10 @@ class SchedulerConfig:
     # and the step budget (engine.llm_engine.auto_max_num_seqs), a bare scheduler runs up to
     # MAX_AUTO_BATCH.
     max_num_seqs: int | None = None
-    max_num_batched_tokens: int = 512  # token budget of one step: decodes + prefill chunks
+    # Token budget of one step: decodes + prefill chunks. 2048 as vLLM's CPU server: a long
+    # prompt's GEMMs run at more rows per call, and a window-bound prefill in fewer chunks
+    # (`python -m evals.bench_peers`, its long-prompt point).
+    max_num_batched_tokens: int = 2048
     max_queue_len: int = 256  # waiting requests before add() answers OVERLOADED (MAX_QUEUE_LEN)
     max_inflight_per_tenant: int | None = None  # accepted, unfinished requests; None: no limit
     max_inflight_per_session: int | None = None
