@@ -213,7 +213,7 @@ def _make_chunk(
         and bool(torch.equal(query_positions[0], torch.arange(q_len, device=visible.device)))
         and bool(group.key_valid[seqs, :width].all())
     )
-    blocks = ()
+    blocks: tuple[tuple[int, int, int, int], ...] = ()
     if window is not None and q_len > 1 and key_slots.shape[0] == 1 and not causal_fresh:
         blocks = _window_blocks(visible[0], max(1, window // WINDOW_BLOCKS))
     return _Chunk(
