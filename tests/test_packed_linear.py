@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from engine.model import cpu_ops
 from engine.model.linear_kernels import (
+    AMX_INT8_MAX_ROWS,
     OUTPUT_SLICE,
     PACKED_BF16_MAX_ROWS,
     PACKED_INT8_MAX_ROWS,
@@ -152,16 +153,18 @@ def test_int8_module_few_rows_against_onednn(rows: int) -> None:
 
 @needs_packed(torch.int8)
 def test_int8_module_rows_do_not_depend_on_their_batch() -> None:
-    """Where cpu_ops' kernel serves every row count (AMX), a row's outputs are the same alone
-    and in a batch of 70, bit for bit, and land in the buffer the caller passes."""
-    weight, x = random(300, 128, seed=41) * 0.05, random(70, 128, seed=42)
+    """Where cpu_ops' kernel has AMX tiles it serves decode-sized batches: a row's outputs are
+    the same alone and in a batch of AMX_INT8_MAX_ROWS, bit for bit, and land in the buffer
+    the caller passes."""
+    rows = AMX_INT8_MAX_ROWS
+    weight, x = random(300, 128, seed=41) * 0.05, random(rows, 128, seed=42)
     module = OneDNNInt8Linear(weight)
     if not module.amx_tiles:
         pytest.skip("this build of cpu_ops has no AMX tiles")
-    buffer = torch.empty(70, 300)
+    buffer = torch.empty(rows, 300)
     batched = module(x, out=buffer)
     assert batched.data_ptr() == buffer.data_ptr()
-    alone = torch.cat([module(x[i : i + 1]) for i in range(70)])
+    alone = torch.cat([module(x[i : i + 1]) for i in range(rows)])
     assert torch.equal(batched, alone)
 
 

@@ -233,9 +233,13 @@ def scatter_columns(
 PACKED_BF16_MAX_ROWS = 4
 
 
-# The same for the int8 kernel (OneDNNInt8Linear) and cpu_ops' VNNI kernel, measured the same,
-# on a CPU whose build of cpu_ops has no AMX tiles (with them, cpu_ops serves every row count).
+# The same for the int8 kernel (OneDNNInt8Linear) and cpu_ops' VNNI kernel, measured the same.
 PACKED_INT8_MAX_ROWS = 4
+
+# Rows up to which cpu_ops' int8 kernel runs on AMX tiles where it has them (decode steps):
+# there it streams the weights faster than oneDNN for every layer shape, and at prefill sizes
+# oneDNN's blocking wins for the wider-input shapes (`python -m evals.bench_kernels`).
+AMX_INT8_MAX_ROWS = 64
 
 
 def _bf16_tiles(weight: torch.Tensor) -> torch.Tensor | None:
@@ -426,10 +430,9 @@ class OneDNNInt8Linear(nn.Module):
             )
         ]
         # The same integers for a few rows (PACKED_INT8_MAX_ROWS) by cpu_ops.packed_int8_linear,
-        # and for every row count where that kernel has AMX tiles (amx_tiles): its sums are
-        # exact and its rescale the same at any row count, so a row's outputs do not depend on
-        # its batch, and it streams the weights faster than oneDNN from 5 to 64 rows
-        # (`python -m evals.bench_kernels`).
+        # and up to AMX_INT8_MAX_ROWS where that kernel has AMX tiles (amx_tiles): its sums are
+        # exact and its rescale the same at any row count, so there a row's outputs do not
+        # depend on its batch.
         self.tiles: torch.Tensor | None = None
         self.amx_tiles = False
         if cpu_ops.packed_linear_supported(torch.int8):
@@ -451,7 +454,9 @@ class OneDNNInt8Linear(nn.Module):
 
     def _packed_rows(self, rows: int) -> bool:
         """Whether cpu_ops.packed_int8_linear computes `rows` rows (else oneDNN does)."""
-        return self.tiles is not None and (self.amx_tiles or rows <= PACKED_INT8_MAX_ROWS)
+        if self.tiles is None:
+            return False
+        return rows <= (AMX_INT8_MAX_ROWS if self.amx_tiles else PACKED_INT8_MAX_ROWS)
 
     def _run(
         self,

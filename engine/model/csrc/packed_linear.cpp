@@ -510,7 +510,10 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed,
   // AMX reads whole 16-row tiles: the padding rows are zeros (uint8 128).
   const int64_t padded = amx ? (rows + kAmxRows - 1) / kAmxRows * kAmxRows : rows;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor quantized = at::full({padded, 4 * count}, 128, x.options().dtype(at::kByte));
+  // One cache line past each row's inputs: a row stride of a multiple of 2 KB would put an
+  // AMX tile's rows in one or two L1 sets.
+  const int64_t q_stride = 4 * count + 64;
+  at::Tensor quantized = at::full({padded, q_stride}, 128, x.options().dtype(at::kByte));
   std::vector<float> row_max(rows);
   const float* in = xf.data_ptr<float>();
   uint8_t* q = quantized.data_ptr<uint8_t>();
@@ -523,7 +526,7 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed,
     row_max[r] = std::max(top, 1e-12f);
     const float scale = 127.f / row_max[r];
     for (int64_t i = 0; i < width; ++i) {
-      q[r * 4 * count + i] = static_cast<uint8_t>(std::nearbyint(xr[i] * scale) + 128.f);
+      q[r * q_stride + i] = static_cast<uint8_t>(std::nearbyint(xr[i] * scale) + 128.f);
     }
   }
   const float* sc = scales.data_ptr<float>();
@@ -559,14 +562,14 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed,
   };
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
   if (amx) {
-    amx_int8_tiles(q, 4 * count, padded, packed.data_ptr<int8_t>(), packed.size(0), count,
+    amx_int8_tiles(q, q_stride, padded, packed.data_ptr<int8_t>(), packed.size(0), count,
                    [&](int64_t t, int64_t row0, const int32_t* sums) {
                      rescale(t, row0, kAmxRowBlock, sums);
                    });
     return out;
   }
 #endif
-  run_tiles<Int8Units>(reinterpret_cast<const uint32_t*>(q), rows, count,
+  run_tiles<Int8Units>(reinterpret_cast<const uint32_t*>(q), rows, q_stride / 4,
                        packed.data_ptr<int8_t>(), packed.size(0), count, 1,
                        [&](int64_t t, const int32_t* sums) { rescale(t, 0, rows, sums); });
 #endif
