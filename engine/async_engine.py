@@ -287,6 +287,7 @@ class AsyncEngine:
         while not self._stopping:
             self._apply_aborts()
             if not self.engine.has_work:
+                self.engine.on_idle()
                 trimmer.on_idle()  # the work just ran out: a good moment to give memory back
                 self._wake.wait(0.5)
                 self._wake.clear()

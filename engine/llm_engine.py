@@ -184,6 +184,10 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def on_idle(self) -> None:
+        """The work ran out: give back the buffers the steps keep (ModelRunner.release_buffers)."""
+        self.runner.release_buffers()
+
     @torch.inference_mode()
     def step(self) -> list[tuple[Sequence, StepOutput]]:
         """Run one iteration; returns the output of every sequence that produced a token.

@@ -128,6 +128,7 @@ class LLM:
             for seq, out in self.engine.step():
                 if (tracker := trackers.get(seq.seq_id)) is not None:
                     events += tracker.events(out)
+        self.engine.on_idle()
         folded = fold(events, len(seqs))
         return [
             GenerationResult(

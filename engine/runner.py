@@ -118,9 +118,15 @@ class ModelRunner:
             logits=logits, prompt_logprobs=prompt_logprobs, attention_mass=step.attention_mass()
         )
 
+    def release_buffers(self) -> None:
+        """Give back what forward() keeps between steps (the logits buffer), so that memory is
+        held only while requests run: a burst of wide steps does not pin it for good."""
+        self._logits_buffer = None
+
     def _logits_out(self, rows: int) -> torch.Tensor | None:
         """A [rows, vocab] float32 view of the logits buffer, grown to the most rows asked for
-        so far; valid until the next forward, which is when the step has sampled from it."""
+        since the last release_buffers(); valid until the next forward, which is when the step
+        has sampled from it."""
         if self.device.type != "cpu" or rows == 0:
             return None
         if self._logits_buffer is None or self._logits_buffer.shape[0] < rows:
