@@ -13,7 +13,9 @@ Ways to run `x @ W.T`, chosen by timing the kernels PyTorch offers on the CPU at
 - `int8`: dynamic quantization (CPU only). Weights are int8 with one scale per output channel;
   each call quantizes the activations to int8 with one scale per row, multiplies in integers,
   and rescales to float32. oneDNN runs it on CPUs with AMX tiles, fbgemm elsewhere (each
-  measured the faster there). Approximate: `evals/quality.py` measures what it costs.
+  measured the faster there); at decode sizes cpu_ops' own kernels take over (VNNI for a few
+  rows, AMX tiles up to AMX_INT8_MAX_ROWS). Approximate: `evals/quality.py` measures what it
+  costs.
 - `bf16-int8head`: `bf16` for the decoder layers, `int8` for the LM head (`body_and_head`).
 
 `quantize_model` swaps a model's `nn.Linear` modules for the chosen kernel in place. On CUDA and
@@ -447,7 +449,7 @@ class OneDNNInt8Linear(nn.Module):
 
     def prime(self, x: torch.Tensor) -> None:
         """As BFloat16Linear.prime: forward(x) with one slice of each shape run (warm_up);
-        nothing where cpu_ops' kernel serves every row count (it keeps no per-shape state)."""
+        nothing for the row counts cpu_ops' kernel serves (it keeps no per-shape state)."""
         if self._packed_rows(x.numel() // self.in_features):
             return
         self._run(x, list({tuple(part[0].shape): part for part in self.slices}.values()))
