@@ -541,8 +541,9 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed,
       const int32_t* sr = sums + r * kTile;
 #if defined(__AVX512F__)
       // Many rows' outputs (the LM head's logits) outgrow the caches: streaming stores write
-      // them without reading their lines in first.
-      if (n == kTile && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
+      // them without reading their lines in first. Only on the AMX path, whose threads fence
+      // them (amx_int8_tiles); a few rows' outputs fit the caches anyway.
+      if (amx && n == kTile && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
         const __m512 t = _mm512_set1_ps(top);
         for (int64_t j = 0; j < kTile; j += 16) {
           const __m512i exact = _mm512_sub_epi32(_mm512_loadu_si512(sr + j),
