@@ -249,3 +249,29 @@ def test_the_model_gives_the_same_logits_with_and_without_them(make_config, kern
 
     for a, b in zip(logits(fused), logits(eager), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 100, 4099])
+def test_row_argmax_is_torchs_first_maximum(width: int) -> None:
+    """The first maximum of each row, as torch.max(dim).indices gives it: ties (small
+    integers repeat) go to the first column, a row of -inf to column 0, a NaN wins and the
+    first NaN of several does."""
+    generator = torch.Generator().manual_seed(width)
+    rows = [
+        torch.randn(width, generator=generator),
+        torch.randint(0, 3, (width,), generator=generator).float(),
+        torch.full((width,), float("-inf")),
+    ]
+    with_nans = torch.randn(width, generator=generator)
+    with_nans[width // 2] = float("nan")
+    with_nans[-1] = float("nan")
+    rows.append(with_nans)
+    logits = torch.stack(rows)
+    expected = logits.max(dim=1).indices
+    assert expected[3] == width // 2 and expected[2] == 0
+    assert torch.equal(cpu_ops.row_argmax(logits), expected)
+    # Rows with a stride (a slice of wider rows) are read in place.
+    wide = torch.randn(5, width + 7, generator=generator)
+    assert torch.equal(
+        cpu_ops.row_argmax(wide[:, 3 : 3 + width]), wide[:, 3 : 3 + width].max(1).indices
+    )

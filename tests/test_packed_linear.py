@@ -1,6 +1,6 @@
 """cpu_ops' packed linear kernels (csrc/packed_linear.cpp) against float64 and oneDNN, and the
 linear modules that run them: PackedLinear (float32) at every row count, BFloat16Linear and
-BFloat16GatedMLP for a single row."""
+BFloat16GatedMLP for a few rows, and on AMX tiles up to AMX_BF16_MAX_ROWS where they have them."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from engine.model import cpu_ops
 from engine.model.linear_kernels import (
+    AMX_BF16_MAX_ROWS,
     AMX_INT8_MAX_ROWS,
     OUTPUT_SLICE,
     PACKED_BF16_MAX_ROWS,
@@ -66,9 +67,15 @@ def test_float32_against_float64(outputs: int, inputs: int, rows: int) -> None:
     torch.testing.assert_close(out.double(), reference, rtol=0, atol=1e-5 * inputs**0.5)
 
 
+# The bfloat16 kernel runs more than 6 rows on AMX tiles where it was built with them, for
+# inputs in multiples of 32 (the first and last shape): in passes of 64 rows, the last partial
+# (70), and in pairs of 16-row tiles, one of them alone (40, 70).
+BF16_ROWS = [*ROWS, 64, 70]
+
+
 @needs_packed(torch.bfloat16)
 @pytest.mark.parametrize("outputs, inputs", SHAPES)
-@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("rows", BF16_ROWS)
 def test_bfloat16_against_float64(outputs: int, inputs: int, rows: int) -> None:
     """Products of bfloat16 inputs and weights, summed in float32, rounded once to bfloat16:
     within one unit in the last place of the exact sum rounded the same way."""
@@ -182,7 +189,7 @@ def eager_gated_mlp(x, gate, up, down) -> torch.Tensor:
 
 @needs_packed(torch.bfloat16)
 @pytest.mark.parametrize("hidden", [128, 100])
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("rows", [1, 8, 70])
 def test_gated_mlp_against_the_eager_roundings(hidden: int, rows: int) -> None:
     """Within a few units in the last place of the eager reference: the gelu's tanh and the
     sums' order may move a rounding by one, and that moves the next product."""
@@ -237,6 +244,29 @@ def test_bf16_modules_few_rows_against_onednn(dtype: torch.dtype, rows: int) -> 
     for ours, theirs in zip(packed, onednn, strict=True):
         assert ours.dtype == dtype
         assert bf16_ulps(ours.bfloat16(), theirs.bfloat16()) <= 1
+
+
+@needs_bf16
+@needs_packed(torch.bfloat16)
+@pytest.mark.parametrize("rows", [7, 33, AMX_BF16_MAX_ROWS])
+def test_bf16_modules_amx_rows_against_onednn(rows: int) -> None:
+    """Where cpu_ops' bfloat16 kernels have AMX tiles, the modules run them up to
+    AMX_BF16_MAX_ROWS: the same products summed in float32 and rounded where oneDNN rounds, so
+    within a unit in the last place of oneDNN's (the MLP's product can take that unit into the
+    down projection: a few units there)."""
+    gate, up, down = (random(*shape, seed=50 + i) * 0.1 for i, shape in
+                      enumerate([(256, 128), (256, 128), (128, 256)]))  # fmt: skip
+    linear, mlp = BFloat16Linear(gate), BFloat16GatedMLP(gate, up, down)
+    if not cpu_ops.packed_amx(torch.bfloat16, 128):
+        pytest.skip("this build of cpu_ops has no AMX tiles")
+    assert linear.max_packed_rows == mlp.max_packed_rows == AMX_BF16_MAX_ROWS
+    x = random(rows, 128, seed=60).bfloat16()
+    packed = linear(x), mlp(x)
+    linear.max_packed_rows = mlp.max_packed_rows = 0  # oneDNN for every row count
+    onednn = linear(x), mlp(x)
+    assert bf16_ulps(packed[0], onednn[0]) <= 1
+    torch.testing.assert_close(packed[1].float(), onednn[1].float(), rtol=2e-2, atol=2e-2)
+    assert (packed[1] == onednn[1]).float().mean() > 0.9
 
 
 @pytest.mark.skipif(not has_amx(), reason="oneDNN's int8 and bfloat16 kernels need AMX here")

@@ -204,16 +204,17 @@ def packed_int8_linear(
     for the uint8 offset the kernel's instruction takes) * scales (per output) * the row's
     largest magnitude, written into `out` where given. The sums are exact, so a row's outputs
     are the same alone or in any batch; more than a few rows run on AMX tiles where
-    packed_int8_amx says so."""
+    packed_amx says so."""
     return torch.ops.gemma_cpu.packed_int8_linear(
         x, packed, scales, compensation, out_features, out
     )
 
 
-def packed_int8_amx(inputs: int) -> bool:
-    """Whether packed_int8_linear runs many rows on AMX tiles for weights of `inputs` inputs:
-    built with AMX, the kernel allowed to use it, and `inputs` a multiple of 64."""
-    return bool(torch.ops.gemma_cpu.packed_int8_amx(inputs))
+def packed_amx(dtype: torch.dtype, inputs: int) -> bool:
+    """Whether packed_int8_linear (int8), packed_linear and packed_gated_mlp (bfloat16) run
+    many rows on AMX tiles for weights of `inputs` inputs: built with AMX, the kernel allowed to
+    use it, and `inputs` a multiple of 64 (int8) or 32 (bfloat16)."""
+    return available() and bool(torch.ops.gemma_cpu.packed_amx(dtype, inputs))
 
 
 def packed_gated_mlp(
@@ -224,6 +225,13 @@ def packed_gated_mlp(
     gate's and up's weights in alternating runs of 64 rows, packed. Returns [rows,
     out_features] bfloat16."""
     return torch.ops.gemma_cpu.packed_gated_mlp(x, gate_up, down, hidden, out_features)
+
+
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The first maximum of each row of `logits` ([R, W] float32), as torch.max(logits,
+    dim=1).indices gives it (a NaN counts as the largest): int64 [R], in one pass over each
+    row with the rows shared out between threads."""
+    return torch.ops.gemma_cpu.row_argmax(logits)
 
 
 def gumbel_argmax(

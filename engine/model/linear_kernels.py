@@ -234,6 +234,12 @@ def scatter_columns(
 # are faster, so both layouts are kept (`python -m evals.bench_kernels --rows 1 2 4 8 16`).
 PACKED_BF16_MAX_ROWS = 4
 
+# Rows up to which they run cpu_ops' packed kernels on AMX tiles where the CPU has them
+# (cpu_ops.packed_amx): up to here those match or beat oneDNN's on the model's layer shapes,
+# and they hand their work out to the threads as they come free; at prefill sizes oneDNN's
+# blocking wins (`python -m evals.bench_kernels --rows 8 16 32 64 128 256`).
+AMX_BF16_MAX_ROWS = 128
+
 
 # The same for the int8 kernel (OneDNNInt8Linear) and cpu_ops' VNNI kernel, measured the same.
 PACKED_INT8_MAX_ROWS = 4
@@ -242,6 +248,13 @@ PACKED_INT8_MAX_ROWS = 4
 # there it streams the weights faster than oneDNN for every layer shape, and at prefill sizes
 # oneDNN's blocking wins for the wider-input shapes (`python -m evals.bench_kernels`).
 AMX_INT8_MAX_ROWS = 64
+
+
+def _bf16_packed_rows(inputs: int) -> int:
+    """Rows up to which a bfloat16 layer of `inputs` inputs runs cpu_ops' packed kernels."""
+    if cpu_ops.packed_amx(torch.bfloat16, inputs):
+        return AMX_BF16_MAX_ROWS
+    return PACKED_BF16_MAX_ROWS
 
 
 def _bf16_tiles(weight: torch.Tensor) -> torch.Tensor | None:
@@ -271,6 +284,7 @@ class BFloat16Linear(nn.Module):
             for part in output_slices(weight)
         ]
         self.tiles = _bf16_tiles(weight)
+        self.max_packed_rows = _bf16_packed_rows(weight.shape[1])
         self.bf16_out = False  # set by GemmaForCausalLM.fuse
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -289,7 +303,9 @@ class BFloat16Linear(nn.Module):
     ) -> torch.Tensor:
         dtype = torch.bfloat16 if self.bf16_out else x.dtype
         shape = (*x.shape[:-1], self.out_features)
-        if self.tiles is not None and x.numel() <= PACKED_BF16_MAX_ROWS * self.in_features:
+        # The LM head's sliced output stays with oneDNN past a few rows (slice_output).
+        max_rows = self.max_packed_rows if len(self.slices) == 1 else PACKED_BF16_MAX_ROWS
+        if self.tiles is not None and x.numel() <= max_rows * self.in_features:
             rows = x.reshape(-1, self.in_features)
             out = cpu_ops.packed_linear(rows, self.tiles, self.out_features, bf16_out=True)
             return out.to(dtype).view(shape)
@@ -327,14 +343,18 @@ class BFloat16GatedMLP(nn.Module):
             torch.ops.mkldnn._reorder_linear_weight(w.bfloat16().contiguous())
             for w in (gate, up, down)
         )
-        # The same MLP for a single row (PACKED_BF16_MAX_ROWS) by cpu_ops.packed_gated_mlp.
+        # The same MLP for a few rows (PACKED_BF16_MAX_ROWS), or up to AMX_BF16_MAX_ROWS on AMX
+        # tiles, by cpu_ops.packed_gated_mlp.
         self.gate_up_tiles = _bf16_tiles(_alternate_tiles(gate, up))
         self.down_tiles = _bf16_tiles(down)
+        self.max_packed_rows = min(
+            _bf16_packed_rows(gate.shape[1]), _bf16_packed_rows(down.shape[1])
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.gate_up_tiles, self.down_tiles
-        single_row = x.numel() <= PACKED_BF16_MAX_ROWS * self.in_features
-        if gate_up is not None and down is not None and single_row:
+        packed_rows = x.numel() <= self.max_packed_rows * self.in_features
+        if gate_up is not None and down is not None and packed_rows:
             rows = x.reshape(-1, self.in_features)
             out = cpu_ops.packed_gated_mlp(
                 rows, gate_up, down, self.out_features, self.hidden_features
@@ -441,7 +461,7 @@ class OneDNNInt8Linear(nn.Module):
             self.tiles = cpu_ops.pack_linear_weight(integers)
             self.tile_scales = self.weight_scales / 127
             self.compensation = (integers.sum(dim=1, dtype=torch.int32) * 128).int()
-            self.amx_tiles = cpu_ops.packed_int8_amx(self.in_features)
+            self.amx_tiles = cpu_ops.packed_amx(torch.int8, self.in_features)
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """As BFloat16Linear.forward: a sliced output goes into `out` where it fits."""

@@ -24,6 +24,7 @@
 #include <optional>
 #include <vector>
 
+#include "parallel.h"
 #include "vector_math.h"
 
 namespace {
@@ -422,7 +423,7 @@ void decode_attention_kernel(const float* query, const kv_t* key_pool, const kv_
                              int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t keys,
                              float scale) {
   const int64_t group = heads / kv_heads;
-  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks(seqs * kv_heads, balanced_chunk(seqs * kv_heads), [&](int64_t begin, int64_t end) {
     std::vector<float> scores(group * keys), row(head_dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / kv_heads;
@@ -718,6 +719,81 @@ int64_t race_row(const float* x, int64_t n, float inverse_temperature, RaceKey k
   return best_column;
 }
 
+// The first largest value of x[0, n), as torch.max(dim).indices gives it: a NaN counts as the
+// largest, the first NaN winning. One pass: each lane keeps its own largest value and the first
+// column it was seen in (replaced only by a strictly larger one), then the lanes are reduced.
+int64_t first_maximum(const float* x, int64_t n) {
+  int64_t best = 0;
+  int64_t start = 0;
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 top = _mm512_loadu_ps(x);
+    __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i column = at;
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    __mmask16 nan = _mm512_cmp_ps_mask(top, top, _CMP_UNORD_Q);
+    int64_t j = 16;
+    for (; j + 16 <= n && j < INT32_MAX - 16; j += 16) {
+      const __m512 v = _mm512_loadu_ps(x + j);
+      column = _mm512_add_epi32(column, sixteen);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 larger = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ);
+      top = _mm512_mask_blend_ps(larger, top, v);
+      at = _mm512_mask_blend_epi32(larger, at, column);
+    }
+    if (nan != 0) {
+      for (int64_t i = 0; i < n; ++i) {
+        if (std::isnan(x[i])) {
+          return i;
+        }
+      }
+    }
+    alignas(64) float values[16];
+    alignas(64) int32_t columns[16];
+    _mm512_store_ps(values, top);
+    _mm512_store_si512(columns, at);
+    best = columns[0];
+    for (int lane = 1; lane < 16; ++lane) {
+      if (values[lane] > x[best] || (values[lane] == x[best] && columns[lane] < best)) {
+        best = columns[lane];
+      }
+    }
+    start = j;
+  }
+#endif
+  for (int64_t i = start; i < n; ++i) {
+    if (std::isnan(x[i])) {
+      for (int64_t k = 0; k <= i; ++k) {
+        if (std::isnan(x[k])) {
+          return k;
+        }
+      }
+    }
+    if (x[i] > x[best]) {
+      best = i;
+    }
+  }
+  return best;
+}
+
+// The first maximum of each row of logits ([R, W] float32, rows contiguous): int64 [R], as
+// torch.max(logits, dim=1).indices, in one pass over each row, rows shared out between threads.
+at::Tensor row_argmax(const at::Tensor& logits) {
+  check_float(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be [R, W] with W > 0");
+  const at::Tensor x = logits.stride(1) == 1 ? logits : logits.contiguous();
+  const int64_t rows = x.size(0), width = x.size(1), stride = x.stride(0);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* data = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  parallel_chunks(rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      o[row] = first_maximum(data + row * stride, width);
+    }
+  });
+  return out;
+}
+
 // One token id per row of logits ([R, W] float32, rows contiguous; -inf for a banned token):
 // the Gumbel-max race above with each row's inverse temperature ([R] float32) and key ([R]
 // int64). Column j of a row is token j, or ids[row, j] where ids ([R, W] int64, ids below
@@ -752,7 +828,7 @@ at::Tensor gumbel_argmax(const at::Tensor& logits, const at::Tensor& inverse_tem
   const int64_t* id_data = listed.defined() ? listed.data_ptr<int64_t>() : nullptr;
   int64_t* o = out.data_ptr<int64_t>();
   const int64_t blocks = (width + kRaceBlock - 1) / kRaceBlock;
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks(rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> block_max(blocks);
     for (int64_t row = begin; row < end; ++row) {
       const float* x_row = data + row * stride;
@@ -827,6 +903,7 @@ TORCH_LIBRARY(gemma_cpu, m) {
   m.def(
       "gumbel_argmax(Tensor logits, Tensor inverse_temperature, Tensor keys, Tensor? ids=None) "
       "-> Tensor");
+  m.def("row_argmax(Tensor logits) -> Tensor");
   m.def(
       "scatter_columns(Tensor part, Tensor? row_scale, Tensor(a!) out, int column) -> ()");
 }
@@ -839,4 +916,5 @@ TORCH_LIBRARY_IMPL(gemma_cpu, CPU, m) {
   m.impl("store_kv", &store_kv);
   m.impl("gumbel_argmax", &gumbel_argmax);
   m.impl("scatter_columns", &scatter_columns);
+  m.impl("row_argmax", &row_argmax);
 }

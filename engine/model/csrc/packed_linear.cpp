@@ -20,7 +20,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -31,6 +31,7 @@
 #include <cstring>
 #include <vector>
 
+#include "parallel.h"
 #include "vector_math.h"
 
 namespace {
@@ -216,7 +217,7 @@ template <typename Units, typename Finish, typename x_t = typename Units::x_t,
 void run_tiles(const x_t* x, int64_t rows, int64_t x_stride, const w_t* w, int64_t tiles,
                int64_t count, int64_t group, Finish finish) {
   const int64_t tile_elements = count * kTile * (4 / static_cast<int64_t>(sizeof(w_t)));
-  at::parallel_for(0, tiles / group, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks(tiles / group, balanced_chunk(tiles / group), [&](int64_t begin, int64_t end) {
     std::vector<typename Units::sum_t> sums(group * rows * kTile);
     for (int64_t task = begin; task < end; ++task) {
       for (int64_t g = 0; g < group; ++g) {
@@ -299,20 +300,87 @@ inline float gelu_tanh(float x) {
   return 0.5f * x * (1.f + t);
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-// ---- AMX: many rows of the int8 kernel ----
+#if defined(__AVX512BF16__)
+// exp_nonpositive and gelu_tanh above on 16 lanes, in the same steps.
+inline __m512 exp_nonpositive_ps(__m512 x) {
+  const __m512 t =
+      _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512i n = _mm512_cvttps_epi32(_mm512_sub_ps(t, _mm512_set1_ps(0.5f)));
+  const __m512 f = _mm512_sub_ps(t, _mm512_cvtepi32_ps(n));
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+inline __m512 gelu_tanh_ps(__m512 x) {
+  const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), x), _mm512_mul_ps(x, x));
+  const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), _mm512_add_ps(x, cube));
+  const __m512 magnitude = _mm512_abs_ps(u);
+  const __m512 e = exp_nonpositive_ps(_mm512_mul_ps(_mm512_set1_ps(-2.f), magnitude));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 t_abs = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  const __m512 sign = _mm512_and_ps(u, _mm512_castsi512_ps(_mm512_set1_epi32(INT32_MIN)));
+  const __m512 t = _mm512_or_ps(t_abs, sign);
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(one, t));
+}
+
+// 16 floats rounded to bfloat16 (to nearest even), and those back to float32.
+inline __m256i to_bfloat16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+inline __m512 from_bfloat16(__m256i x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
+// The float32 sums of a 64-output tile, rows [0, block_rows) ([64] floats per row), into out
+// (row stride out_stride) at columns [first, first + n), rounded to bfloat16.
+void store_bfloat16(const float* sums, int64_t block_rows, c10::BFloat16* out, int64_t out_stride,
+                    int64_t first, int64_t n) {
+  for (int64_t r = 0; r < block_rows; ++r) {
+    const float* src = sums + r * kTile;
+    c10::BFloat16* dst = out + r * out_stride + first;
+    if (n == kTile) {
+      for (int64_t j = 0; j < kTile; j += 16) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
+                            to_bfloat16(_mm512_loadu_ps(src + j)));
+      }
+      continue;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      dst[j] = static_cast<c10::BFloat16>(src[j]);
+    }
+  }
+}
+#endif
+
+// ---- AMX: many rows of the int8 and bfloat16 kernels ----
 //
-// From a few rows on, the int8 products are AMX tile work: tdpbusd multiplies a 16 x 64 tile of
-// uint8 inputs by a 16 x (16 x 4) tile of int8 weights into 16 x 16 int32 sums. The packed
-// layout already holds such weight tiles: 16 outputs' quadruples of one unit are 64 contiguous
-// bytes, and the next unit's sit 256 bytes on, so a tile loads in place with a 256-byte stride.
-// The sums are exact either way, so AMX and VNNI give the same int32 sums and, through the same
-// rescale, the same float32 outputs at any row count.
+// From a few rows on, the products are AMX tile work: tdpbusd multiplies a 16 x 64 tile of
+// uint8 inputs by a 16 x (16 x 4) tile of int8 weights into 16 x 16 int32 sums, and tdpbf16ps
+// a 16 x 32 tile of bfloat16 inputs by a 16 x (16 x 2) tile of bfloat16 weights into 16 x 16
+// float32 sums. The packed layout already holds such weight tiles: 16 outputs' units of one
+// unit index are 64 contiguous bytes, and the next unit's sit 256 bytes on, so a tile loads in
+// place with a 256-byte stride. A unit of x (four uint8 or two bfloat16) is 4 bytes either way.
+// The int8 sums are exact, so AMX and VNNI give the same int32 sums and, through the same
+// rescale, the same float32 outputs at any row count; the bfloat16 sums are float32 sums of the
+// same products as the VNNI kernel's, in tdpbf16ps's order.
 
-constexpr int64_t kAmxRows = 16;           // rows per A / C tile
-constexpr int64_t kAmxUnits = 16;          // units (64 int8 inputs) per K step
+constexpr int64_t kAmxRows = 16;                // rows per A / C tile
+constexpr int64_t kAmxUnits = 16;               // units of x (64 bytes) per K step
 constexpr int64_t kAmxRowBlock = 4 * kAmxRows;  // rows per pass: four C tiles
+constexpr int64_t kUnitBytes = kTile * 4;       // one unit of a 64-output tile
 
+// Rows padded to whole AMX tiles, and the row stride in bytes of the inputs the AMX kernels
+// read: one cache line past each row's units, since a stride of a multiple of 2 KB would put
+// a tile's rows in one or two L1 sets.
+int64_t amx_padded_rows(int64_t rows) { return (rows + kAmxRows - 1) / kAmxRows * kAmxRows; }
+int64_t amx_row_bytes(int64_t units) { return 4 * units + 64; }
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
 struct TileConfig {  // the LDTILECFG operand, palette 1
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -331,74 +399,91 @@ bool amx_permitted() {
   return permitted;
 }
 
-// sums[r][0..64) for rows [row0, row0 + 64) of q (uint8, row stride q_stride, rows padded to
-// a multiple of 16) against one 64-output tile of packed int8 weights (`units` units, a multiple
-// of 16); `next` (the tile run after this one) is prefetched into L2 meanwhile. Tiles 0-3 hold
-// the sums, 4, 6 and 7 the inputs, 5 the weights; the caller has loaded the configuration.
-void amx_tile_sums(const uint8_t* q, int64_t q_stride, int64_t row0, int64_t row_tiles,
-                   const int8_t* tile, int64_t units, const int8_t* next, int32_t* sums) {
-  constexpr int64_t kUnitBytes = kTile * 4;  // one unit of a 64-output tile
-  for (int64_t part = 0; part < 4; ++part) {   // 16 outputs at a time
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t unit = 0; unit < units; unit += kAmxUnits) {
-      const int8_t* w = tile + unit * kUnitBytes + part * 64;
-      if (next != nullptr) {  // the next tile in order, a 1/(4 * steps) share at a time
-        const char* ahead = reinterpret_cast<const char*>(next) +
-                            (part * units + unit) * kUnitBytes / 4;
-        for (int64_t line = 0; line < kAmxUnits; ++line) {
-          _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
+// sums[r][0..64) for the 16 * row_tiles rows of x from `a` (row stride a_stride bytes) against
+// one 64-output tile of packed weights (`units` units, a multiple of 16): int32 sums of uint8
+// inputs and int8 weights, or float32 sums of bfloat16 ones (kBFloat16). `next` (the tile run
+// after this one) is prefetched into L2 meanwhile. Tiles 0-3 hold the sums, 4, 6 and 7 the
+// inputs, 5 the weights; the caller has loaded the configuration.
+template <bool kBFloat16>
+void amx_tile_sums(const char* a, int64_t a_stride, int64_t row_tiles, const char* tile,
+                   int64_t units, const char* next, void* sums) {
+#define GEMMA_AMX_DP(c, x, w) \
+  if constexpr (kBFloat16) {  \
+    _tile_dpbf16ps(c, x, w);  \
+  } else {                    \
+    _tile_dpbusd(c, x, w);    \
+  }
+  constexpr int64_t kSumStride = kTile * 4;  // bytes per row of sums
+  const int64_t steps = units / kAmxUnits;
+  int64_t fetched = 0;  // lines of `next` prefetched so far
+  const int64_t lines = units * kUnitBytes / 64;
+  for (int64_t pair = 0; pair < 2; ++pair) {  // outputs [32 pair, 32 pair + 32)
+    for (int64_t r = 0; r < row_tiles; r += 2) {  // rows [16 r, 16 r + 32)
+      const bool two = r + 1 < row_tiles;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t step = 0; step < steps; ++step) {
+        const int64_t unit = step * kAmxUnits;
+        const char* w = tile + unit * kUnitBytes + pair * 128;
+        if (next != nullptr && fetched < lines) {  // the next tile, spread over the K steps
+          for (int64_t line = 0; line < 8 && fetched < lines; ++line, ++fetched) {
+            _mm_prefetch(next + fetched * 64, _MM_HINT_T1);
+          }
+        }
+        _tile_loadd(6, w, kUnitBytes);
+        _tile_loadd(7, w + 64, kUnitBytes);
+        const char* x = a + r * kAmxRows * a_stride + unit * 4;
+        _tile_loadd(4, x, a_stride);
+        GEMMA_AMX_DP(0, 4, 6);
+        GEMMA_AMX_DP(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, x + kAmxRows * a_stride, a_stride);
+          GEMMA_AMX_DP(2, 5, 6);
+          GEMMA_AMX_DP(3, 5, 7);
         }
       }
-      _tile_loadd(5, w, kUnitBytes);
-      const uint8_t* a = q + row0 * q_stride + unit * 4;
-      _tile_loadd(4, a, q_stride);
-      _tile_dpbusd(0, 4, 5);
-      if (row_tiles > 1) {
-        _tile_loadd(6, a + kAmxRows * q_stride, q_stride);
-        _tile_dpbusd(1, 6, 5);
-      }
-      if (row_tiles > 2) {
-        _tile_loadd(7, a + 2 * kAmxRows * q_stride, q_stride);
-        _tile_dpbusd(2, 7, 5);
-      }
-      if (row_tiles > 3) {
-        _tile_loadd(6, a + 3 * kAmxRows * q_stride, q_stride);
-        _tile_dpbusd(3, 6, 5);
+      char* at = static_cast<char*>(sums) + r * kAmxRows * kSumStride + pair * 128;
+      _tile_stored(0, at, kSumStride);
+      _tile_stored(1, at + 64, kSumStride);
+      if (two) {
+        _tile_stored(2, at + kAmxRows * kSumStride, kSumStride);
+        _tile_stored(3, at + kAmxRows * kSumStride + 64, kSumStride);
       }
     }
-    constexpr int64_t kSumStride = kTile * 4;  // bytes per row of sums
-    int32_t* at = sums + part * 16;
-    _tile_stored(0, at, kSumStride);
-    if (row_tiles > 1) _tile_stored(1, at + kAmxRows * kTile, kSumStride);
-    if (row_tiles > 2) _tile_stored(2, at + 2 * kAmxRows * kTile, kSumStride);
-    if (row_tiles > 3) _tile_stored(3, at + 3 * kAmxRows * kTile, kSumStride);
   }
+#undef GEMMA_AMX_DP
 }
 
-// Every tile's sums for all rows of q (padded_rows of them), tiles split between threads;
-// epilogue(t, row0, sums) gets rows [row0, row0 + 64) of tile t (sums [64][64], row-major).
-template <typename Epilogue>
-void amx_int8_tiles(const uint8_t* q, int64_t q_stride, int64_t padded_rows, const int8_t* packed,
-                    int64_t tiles, int64_t units, Epilogue epilogue) {
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+// For each run of `group` consecutive tiles of the packed weights, in parallel, and each block
+// of 64 rows of x (padded_rows of them, from `a`, row stride a_stride bytes):
+// epilogue(first tile, row0, sums) gets rows [row0, row0 + 64) of those tiles' sums ([group][64
+// rows][64], row-major; int32 or float32 as amx_tile_sums makes them).
+template <bool kBFloat16, typename Epilogue>
+void amx_tiles(const char* a, int64_t a_stride, int64_t padded_rows, const char* packed,
+               int64_t tiles, int64_t units, int64_t group, Epilogue epilogue) {
+  const int64_t tile_bytes = units * kUnitBytes;
+  parallel_chunks(tiles / group, balanced_chunk(tiles / group), [&](int64_t begin, int64_t end) {
     TileConfig config;
     for (int t = 0; t < 8; ++t) {
       config.rows[t] = kAmxRows;
       config.colsb[t] = 64;
     }
     _tile_loadconfig(&config);
-    std::vector<int32_t> sums(kAmxRowBlock * kTile);
-    for (int64_t t = begin; t < end; ++t) {
-      const int8_t* tile = packed + t * units * kTile * 4;
+    std::vector<int32_t> sums(group * kAmxRowBlock * kTile);  // 4-byte sums of either kind
+    for (int64_t task = begin; task < end; ++task) {
       for (int64_t row0 = 0; row0 < padded_rows; row0 += kAmxRowBlock) {
         const int64_t row_tiles = std::min<int64_t>(4, (padded_rows - row0) / kAmxRows);
         const bool last = row0 + kAmxRowBlock >= padded_rows;
-        const int8_t* next = last && t + 1 < end ? tile + units * kTile * 4 : nullptr;
-        amx_tile_sums(q, q_stride, row0, row_tiles, tile, units, next, sums.data());
-        epilogue(t, row0, sums.data());
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t t = task * group + g;
+          const char* tile = packed + t * tile_bytes;
+          const char* next = last && t + 1 < end * group ? tile + tile_bytes : nullptr;
+          amx_tile_sums<kBFloat16>(a + row0 * a_stride, a_stride, row_tiles, tile, units, next,
+                                   sums.data() + g * kAmxRowBlock * kTile);
+        }
+        epilogue(task * group, row0, static_cast<const void*>(sums.data()));
       }
     }
     _tile_release();
@@ -406,16 +491,35 @@ void amx_int8_tiles(const uint8_t* q, int64_t q_stride, int64_t padded_rows, con
   });
 }
 
-constexpr bool kAmxInt8Kernel = true;
+constexpr bool kAmxKernels = true;
 #else
-constexpr bool kAmxInt8Kernel = false;
+constexpr bool kAmxKernels = false;
 bool amx_permitted() { return false; }
 #endif
 
-// Whether packed_int8_linear runs many rows on AMX tiles for weights of `inputs` inputs.
-bool packed_int8_amx(int64_t inputs) {
-  return kAmxInt8Kernel && inputs % (4 * 16) == 0 && amx_permitted();
+// Whether the int8 (4-byte units of four inputs) or bfloat16 (units of two) kernels run many
+// rows on AMX tiles for weights of `inputs` inputs: built with AMX, allowed to use it, and
+// `inputs` whole K steps of 16 units.
+bool packed_amx(at::ScalarType dtype, int64_t inputs) {
+  const int64_t unit = inputs_per_unit(dtype);
+  return kAmxKernels && unit > 1 && inputs % (unit * kAmxUnits) == 0 && amx_permitted();
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
+// x [rows, I] as the bfloat16 AMX kernel reads it: rows padded with zeros to whole tiles, each
+// amx_row_bytes(units) long, zeros past the inputs.
+at::Tensor amx_bfloat16_rows(const at::Tensor& x, int64_t units) {
+  const int64_t rows = x.size(0);
+  at::Tensor a = at::zeros({amx_padded_rows(rows), amx_row_bytes(units) / 2},
+                           x.options().dtype(at::kBFloat16));
+  a.narrow(0, 0, rows).narrow(1, 0, x.size(1)).copy_(x);
+  return a;
+}
+
+// The AMX tiles' rows: padded_rows of them from `a` (bfloat16, as amx_bfloat16_rows lays out).
+const char* amx_rows_data(const at::Tensor& a) { return static_cast<const char*>(a.data_ptr()); }
+int64_t amx_rows_stride(const at::Tensor& a) { return a.stride(0) * a.element_size(); }
+#endif
 
 // ---- The ops ----
 
@@ -463,6 +567,33 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   if (rows == 0) {
     return out;
   }
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
+  if (packed.scalar_type() == at::kBFloat16 && rows > kMaxRows &&
+      packed_amx(at::kBFloat16, packed_inputs(packed))) {
+    const int64_t units = packed.size(1);
+    const at::Tensor a = amx_bfloat16_rows(x, units);
+    amx_tiles<true>(amx_rows_data(a), amx_rows_stride(a), a.size(0),
+                    static_cast<const char*>(packed.data_ptr()), packed.size(0), units, 1,
+                    [&](int64_t t, int64_t row0, const void* sums) {
+                      const float* f = static_cast<const float*>(sums);
+                      const int64_t block = std::min(kAmxRowBlock, rows - row0);
+                      if (block <= 0) {
+                        return;
+                      }
+                      const int64_t first = t * kTile, n = std::min(kTile, out_features - first);
+                      if (bf16_out) {
+                        store_bfloat16(f, block, out.data_ptr<c10::BFloat16>() + row0 * out_features,
+                                       out_features, first, n);
+                      } else {
+                        float* o = out.data_ptr<float>() + row0 * out_features + first;
+                        for (int64_t r = 0; r < block; ++r) {
+                          std::memcpy(o + r * out_features, f + r * kTile, n * sizeof(float));
+                        }
+                      }
+                    });
+    return out;
+  }
+#endif
   if (bf16_out) {
     auto* o = out.data_ptr<c10::BFloat16>();
     for_each_tile(x, packed, 1, [&](int64_t t, const float* sums) {
@@ -482,7 +613,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // int8 (to nearest even), stored as uint8 q + 128; the products summed exactly in int32, less
 // compensation[o] = 128 * sum_i W[o, i]; then float(sum) * scales[o] (the weight's scale over
 // 127) * the row's largest magnitude. Rows past kMaxRows run on AMX tiles where
-// packed_int8_amx(I). Returns [rows, out_features] float32: `out` where given.
+// packed_amx(int8, I). Returns [rows, out_features] float32: `out` where given.
 at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed,
                               const at::Tensor& scales, const at::Tensor& compensation,
                               int64_t out_features, const std::optional<at::Tensor>& out_opt) {
@@ -506,13 +637,11 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed,
     return out;
   }
 #if defined(__AVX512VNNI__)
-  const bool amx = rows > kMaxRows && packed_int8_amx(4 * count);
+  const bool amx = rows > kMaxRows && packed_amx(at::kChar, 4 * count);
   // AMX reads whole 16-row tiles: the padding rows are zeros (uint8 128).
-  const int64_t padded = amx ? (rows + kAmxRows - 1) / kAmxRows * kAmxRows : rows;
+  const int64_t padded = amx ? amx_padded_rows(rows) : rows;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  // One cache line past each row's inputs: a row stride of a multiple of 2 KB would put an
-  // AMX tile's rows in one or two L1 sets.
-  const int64_t q_stride = 4 * count + 64;
+  const int64_t q_stride = amx_row_bytes(count);
   at::Tensor quantized = at::full({padded, q_stride}, 128, x.options().dtype(at::kByte));
   std::vector<float> row_max(rows);
   const float* in = xf.data_ptr<float>();
@@ -542,7 +671,7 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed,
 #if defined(__AVX512F__)
       // Many rows' outputs (the LM head's logits) outgrow the caches: streaming stores write
       // them without reading their lines in first. Only on the AMX path, whose threads fence
-      // them (amx_int8_tiles); a few rows' outputs fit the caches anyway.
+      // them (amx_tiles); a few rows' outputs fit the caches anyway.
       if (amx && n == kTile && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
         const __m512 t = _mm512_set1_ps(top);
         for (int64_t j = 0; j < kTile; j += 16) {
@@ -561,12 +690,13 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed,
       }
     }
   };
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
   if (amx) {
-    amx_int8_tiles(q, q_stride, padded, packed.data_ptr<int8_t>(), packed.size(0), count,
-                   [&](int64_t t, int64_t row0, const int32_t* sums) {
-                     rescale(t, row0, kAmxRowBlock, sums);
-                   });
+    amx_tiles<false>(reinterpret_cast<const char*>(q), q_stride, padded,
+                     static_cast<const char*>(packed.data_ptr()), packed.size(0), count, 1,
+                     [&](int64_t t, int64_t row0, const void* sums) {
+                       rescale(t, row0, kAmxRowBlock, static_cast<const int32_t*>(sums));
+                     });
     return out;
   }
 #endif
@@ -596,6 +726,54 @@ at::Tensor packed_gated_mlp(const at::Tensor& x, const at::Tensor& gate_up,
   if (rows == 0) {
     return out;
   }
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
+  if (rows > kMaxRows && packed_amx(at::kBFloat16, packed_inputs(gate_up)) &&
+      packed_amx(at::kBFloat16, packed_inputs(down))) {
+    const int64_t units = gate_up.size(1), down_units = down.size(1);
+    const at::Tensor a = amx_bfloat16_rows(x, units);
+    // The product in the layout the down projection's tiles read.
+    const at::Tensor between = amx_bfloat16_rows(product, down_units);
+    auto* p = static_cast<c10::BFloat16*>(between.data_ptr());
+    const int64_t p_stride = between.stride(0);
+    amx_tiles<true>(
+        amx_rows_data(a), amx_rows_stride(a), a.size(0), static_cast<const char*>(gate_up.data_ptr()),
+        gate_up.size(0), units, 2, [&](int64_t tile, int64_t row0, const void* sums) {
+          const float* g = static_cast<const float*>(sums);
+          const float* u = g + kAmxRowBlock * kTile;
+          const int64_t first = tile / 2 * kTile, n = std::min(kTile, hidden - first);
+          const int64_t block = std::min(kAmxRowBlock, rows - row0);
+          for (int64_t r = 0; r < block; ++r) {
+            c10::BFloat16* dst = p + (row0 + r) * p_stride + first;
+            const float* gr = g + r * kTile;
+            const float* ur = u + r * kTile;
+            if (n == kTile) {
+              for (int64_t j = 0; j < kTile; j += 16) {
+                const __m512 activation = from_bfloat16(to_bfloat16(gelu_tanh_ps(_mm512_loadu_ps(gr + j))));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
+                                    to_bfloat16(_mm512_mul_ps(_mm512_loadu_ps(ur + j), activation)));
+              }
+              continue;
+            }
+            for (int64_t j = 0; j < n; ++j) {
+              const float activation = static_cast<float>(static_cast<c10::BFloat16>(gelu_tanh(gr[j])));
+              dst[j] = static_cast<c10::BFloat16>(ur[j] * activation);
+            }
+          }
+        });
+    amx_tiles<true>(amx_rows_data(between), amx_rows_stride(between), between.size(0),
+                    static_cast<const char*>(down.data_ptr()), down.size(0), down_units, 1,
+                    [&](int64_t t, int64_t row0, const void* sums) {
+                      const int64_t block = std::min(kAmxRowBlock, rows - row0);
+                      const int64_t first = t * kTile, n = std::min(kTile, out_features - first);
+                      if (block > 0) {
+                        store_bfloat16(static_cast<const float*>(sums), block,
+                                       out.data_ptr<c10::BFloat16>() + row0 * out_features,
+                                       out_features, first, n);
+                      }
+                    });
+    return out;
+  }
+#endif
   auto* p = product.data_ptr<c10::BFloat16>();
   const int64_t width = product.size(1);
   for_each_tile(x, gate_up, 2, [&](int64_t tile, const float* sums) {
@@ -626,7 +804,7 @@ TORCH_LIBRARY_FRAGMENT(gemma_cpu, m) {
   m.def(
       "packed_int8_linear(Tensor x, Tensor packed, Tensor scales, Tensor compensation, "
       "int out_features, Tensor(a!)? out=None) -> Tensor");
-  m.def("packed_int8_amx(int inputs) -> bool");
+  m.def("packed_amx(ScalarType dtype, int inputs) -> bool");
   m.def(
       "packed_gated_mlp(Tensor x, Tensor gate_up, Tensor down, int hidden, int out_features) "
       "-> Tensor");
@@ -641,5 +819,5 @@ TORCH_LIBRARY_IMPL(gemma_cpu, CPU, m) {
 
 TORCH_LIBRARY_IMPL(gemma_cpu, CompositeExplicitAutograd, m) {
   m.impl("packed_linear_supported", &packed_linear_supported);
-  m.impl("packed_int8_amx", &packed_int8_amx);
+  m.impl("packed_amx", &packed_amx);
 }
