@@ -11,15 +11,24 @@ a fused step's time goes by phase (engine/step_profile.py). Every
 round runs each (way, N) once in a shuffled order, so the machine's drift hits both alike; the
 figure is the median decode step over all rounds.
 
+With `--neighbour-duty D` another process busy-waits D of every 4 ms throughout, as a server's
+event loop and a benchmark's client take their share of its cores: a kernel that splits its
+work in equal shares up front waits on whichever thread lost its core (csrc/parallel.h).
+
     python -m evals.bench_step [--users 1 16 32 64] [--rounds 8] [--output-tokens 24]
+                               [--neighbour-duty 0.3]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -42,6 +51,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=24)
+    parser.add_argument("--neighbour-duty", type=float, default=0.0)
     args = parser.parse_args()
     if not cpu_ops.available():
         raise SystemExit("the fused CPU kernels could not be built here (see the log)")
@@ -61,17 +71,8 @@ def main() -> None:
     steps: dict[tuple[str, int], list[float]] = {(w, n): [] for w in WAYS for n in args.users}
     phases: dict[tuple[str, int], list[dict]] = {(w, n): [] for w in WAYS for n in args.users}
     order = list(steps)
-    for round_index in range(args.rounds + 1):  # the first round warms up
-        rng.shuffle(order)
-        for way, users in order:
-            model.fuse(way == "fused kernels")
-            runner.paged_decode = way == "fused kernels"
-            prompts = [token_prompt(llm.tokenizer, rng, args.prompt_tokens) for _ in range(users)]
-            params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
-            times, profile = decode_steps(llm.engine, prompts, params)
-            if round_index:
-                steps[way, users] += times
-                phases[way, users].append(profile)
+    with neighbour(args.neighbour_duty):
+        run_rounds(llm, args, rng, order, steps, phases)
     model.fuse(True)
     runner.paged_decode = True
     ms = {key: 1000 * statistics.median(values) for key, values in steps.items()}
@@ -97,11 +98,15 @@ def main() -> None:
         cells = " | ".join(f"{profile[phase]:.2f}" for phase in PHASES)
         lines.append(f"| {n} | {cells} | {sum(profile.values()):.2f} |")
     markdown = "\n".join(lines)
-    print(f"{torch.get_num_threads()} threads, {args.rounds} rounds")
+    print(
+        f"{torch.get_num_threads()} threads, {args.rounds} rounds, "
+        f"neighbour duty {args.neighbour_duty}"
+    )
     print(markdown)
     path = write_results(
         "bench_step",
         {"users": args.users, "rounds": args.rounds, "prompt_tokens": args.prompt_tokens,
+         "neighbour_duty": args.neighbour_duty,
          "output_tokens": args.output_tokens,
          "decode_step_ms": {way: {str(n): ms[way, n] for n in args.users} for way in WAYS},
          "fused_phase_ms": {str(n): profile for n, profile in profiles.items()},
@@ -114,6 +119,55 @@ def main() -> None:
         "ms per step",
     )
     print(f"wrote {path}")
+
+
+def run_rounds(
+    llm: LLM,
+    args: argparse.Namespace,
+    rng: random.Random,
+    order: list[tuple[str, int]],
+    steps: dict[tuple[str, int], list[float]],
+    phases: dict[tuple[str, int], list[dict]],
+) -> None:
+    """Every (way, N) once per round, in a shuffled order, adding to `steps` and `phases`."""
+    model, runner = llm.engine.backend.model, llm.engine.runner
+    for round_index in range(args.rounds + 1):  # the first round warms up
+        rng.shuffle(order)
+        for way, users in order:
+            model.fuse(way == "fused kernels")
+            runner.paged_decode = way == "fused kernels"
+            prompts = [token_prompt(llm.tokenizer, rng, args.prompt_tokens) for _ in range(users)]
+            params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
+            times, profile = decode_steps(llm.engine, prompts, params)
+            if round_index:
+                steps[way, users] += times
+                phases[way, users].append(profile)
+
+
+# A process that busy-waits `duty` of every 4 ms period and sleeps the rest.
+_NEIGHBOUR = """
+import sys, time
+busy = 0.004 * float(sys.argv[1])
+while True:
+    start = time.perf_counter()
+    while time.perf_counter() - start < busy:
+        pass
+    time.sleep(0.004 - busy)
+"""
+
+
+@contextlib.contextmanager
+def neighbour(duty: float) -> Iterator[None]:
+    """Another process taking `duty` of one core throughout (none at 0)."""
+    if duty <= 0:
+        yield
+        return
+    process = subprocess.Popen([sys.executable, "-c", _NEIGHBOUR, str(min(duty, 1.0))])
+    try:
+        yield
+    finally:
+        process.kill()
+        process.wait()
 
 
 def decode_steps(
