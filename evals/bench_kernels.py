@@ -84,8 +84,8 @@ def onednn_only(module_class: type[BFloat16Linear] | type[OneDNNInt8Linear]):
 
 # Each kernel as the server runs it, and oneDNN alone where the server runs cpu_ops' packed
 # kernels at some row counts (PackedLinear: all; bf16: up to 4 rows, or 128 where cpu_ops has
-# AMX tiles; int8: up to 4 rows, or 64 where it has AMX tiles). Both int8 libraries, whichever `int8` picks on
-# this CPU (int8_linear_class).
+# AMX tiles; int8: up to 4 rows, or 64 where it has AMX tiles). Both int8 libraries, whichever
+# `int8` picks on this CPU (int8_linear_class).
 KERNELS: dict[str, Callable[[torch.Tensor], Call]] = {
     "exact (float32 F.linear)": lambda w: lambda x: F.linear(x, w),
     "packed (float32, as served)": PackedLinear,

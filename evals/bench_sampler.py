@@ -11,6 +11,9 @@ shuffled order; the figure is each one's median over the rounds):
 - sample(): a whole Sampler.sample call on seeded rows without top-k, top-p or min-p, which
   is the kernel plus the per-row keys.
 
+Greedy rows (temperature 0) take the first maximum instead, timed the same way per row count:
+cpu_ops.row_argmax, what the sampler runs on the CPU, against torch.max(dim).indices.
+
 And what the kernel's exact pruning skips, replayed here in torch ops on the same rows
 (csrc/cpu_ops.cpp describes the bounds): the share of tokens in blocks skipped without even a
 hash, and how many tokens per row got the logarithms of their noise.
@@ -36,6 +39,7 @@ from engine.sampling import SamplingParams
 from evals.harness import ROOT, hf_reference_model, make_prompt, write_results
 
 WAYS = ("kernel", "torch race", "sample()")
+GREEDY_WAYS = ("row_argmax", "torch max")
 # csrc/cpu_ops.cpp's kRaceBlock, kRaceSlack and kGumbelMax.
 BLOCK = 64
 LN2 = 0.693147180559945
@@ -129,13 +133,21 @@ def main() -> None:
         sampling_rows = [SamplingRow(params, [], [], step) for step in range(rows)]
         return lambda: sampler.sample(x, sampling_rows)
 
+    def greedy(way: str, rows: int) -> Callable[[], object]:
+        x = logits[:rows]
+        if way == "row_argmax":
+            return lambda: cpu_ops.row_argmax(x)
+        return lambda: x.max(dim=-1).indices
+
     cases = [(w, n, t) for w in WAYS for n in args.rows for t in args.temperatures]
+    cases += [(w, n, 0.0) for w in GREEDY_WAYS for n in args.rows]
     times: dict[tuple[str, int, float], list[float]] = {case: [] for case in cases}
     rng = random.Random(0)
     for round_index in range(args.rounds + 1):  # the first round warms up
         rng.shuffle(cases)
         for case in cases:
-            fn = call(*case)
+            way, rows, temperature = case
+            fn = greedy(way, rows) if way in GREEDY_WAYS else call(way, rows, temperature)
             started = time.perf_counter()
             fn()
             if round_index:
@@ -176,12 +188,25 @@ def main() -> None:
             for r in results
         ),
     ]
+    greedy_ms = {
+        str(rows): {way: round(median_ms(times[way, rows, 0.0]), 2) for way in GREEDY_WAYS}
+        for rows in args.rows
+    }
+    lines += [
+        "",
+        "| greedy, rows x vocab | row_argmax, ms | torch max(dim), ms |",
+        "|---|---:|---:|",
+        *(
+            f"| {rows} x {vocab:,} | {ms['row_argmax']:.2f} | {ms['torch max']:.2f} |"
+            for rows, ms in greedy_ms.items()
+        ),
+    ]
     table = "\n".join(lines)
     print(table)
     path = write_results(
         "bench_sampler",
         {"threads": torch.get_num_threads(), "rounds": args.rounds, "rows": results,
-         "markdown": table},
+         "greedy_ms": greedy_ms, "markdown": table},
     )  # fmt: skip
     print("wrote", path)
 
