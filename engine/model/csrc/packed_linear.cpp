@@ -371,7 +371,7 @@ void store_bfloat16(const float* sums, int64_t block_rows, c10::BFloat16* out, i
 
 constexpr int64_t kAmxRows = 16;                // rows per A / C tile
 constexpr int64_t kAmxUnits = 16;               // units of x (64 bytes) per K step
-constexpr int64_t kAmxRowBlock = 4 * kAmxRows;  // rows per pass: four C tiles
+constexpr int64_t kAmxRowBlock = 4 * kAmxRows;  // rows per pass: four row tiles
 constexpr int64_t kUnitBytes = kTile * 4;       // one unit of a 64-output tile
 
 // Rows padded to whole AMX tiles, and the row stride in bytes of the inputs the AMX kernels
@@ -402,8 +402,9 @@ bool amx_permitted() {
 // sums[r][0..64) for the 16 * row_tiles rows of x from `a` (row stride a_stride bytes) against
 // one 64-output tile of packed weights (`units` units, a multiple of 16): int32 sums of uint8
 // inputs and int8 weights, or float32 sums of bfloat16 ones (kBFloat16). `next` (the tile run
-// after this one) is prefetched into L2 meanwhile. Tiles 0-3 hold the sums, 4, 6 and 7 the
-// inputs, 5 the weights; the caller has loaded the configuration.
+// after this one) is prefetched into L2 meanwhile. The outputs go two 16-output weight tiles at
+// a time against two 16-row input tiles: tiles 0-3 hold the four blocks of sums, 4 and 5 the
+// inputs, 6 and 7 the weights; the caller has loaded the configuration.
 template <bool kBFloat16>
 void amx_tile_sums(const char* a, int64_t a_stride, int64_t row_tiles, const char* tile,
                    int64_t units, const char* next, void* sums) {
@@ -417,7 +418,7 @@ void amx_tile_sums(const char* a, int64_t a_stride, int64_t row_tiles, const cha
   const int64_t steps = units / kAmxUnits;
   // `next` is prefetched a share at a time over the K steps of this tile: all of it over one
   // pair of row tiles; over two pairs, 8 lines a step (half a tile), which timed faster than
-  // the whole tile there (the int8 LM head at 64 rows: 12.2-12.8 vs 14.3-14.7 ms).
+  // the whole tile there (the int8 LM head at 64 rows, `python -m evals.bench_step`).
   const int64_t lines = units * kUnitBytes / 64;
   const int64_t per_step = row_tiles > 2 ? 8 : (lines + 2 * steps - 1) / (2 * steps);
   int64_t fetched = 0;  // lines of `next` prefetched so far

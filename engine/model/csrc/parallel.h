@@ -11,7 +11,8 @@
 // front. A server shares its cores with its own event loop and, in a benchmark, the client:
 // when one of them takes a core for a few milliseconds, the thread it displaced no longer holds
 // its whole share back while the other waits at the end of the op; the other takes the runs
-// left. evals/bench_step --contended measures a step with such a neighbour.
+// left. `python -m evals.bench_step --neighbour-duty 0.3` measures steps beside such a
+// neighbour.
 template <typename F>
 void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
   if (n <= 0) {
