@@ -29,11 +29,12 @@ def make_seq(
     priority: int = 0,
     session_id: str | None = None,
     arrival_time: float | None = None,
+    seed: int | None = None,
     **kwargs,
 ) -> Sequence:
     seq = Sequence(
         prompt_token_ids=[next(_prompt_tokens) for _ in range(prompt_len)],
-        sampling=SamplingParams(max_tokens=max_tokens),
+        sampling=SamplingParams(max_tokens=max_tokens, seed=seed),
         tenant=tenant,
         priority=priority,
         session_id=session_id,

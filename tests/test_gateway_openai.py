@@ -218,30 +218,33 @@ def test_chat_stop_strings(client: openai.OpenAI) -> None:
 def test_seeded_request_repeats_cold_and_cached(client: openai.OpenAI, endpoint: str) -> None:
     """A seeded 16-token request sent twice to a server that has not seen its prompt: the
     first computes the whole prompt, the second finds it in the prefix cache and computes
-    only its last token, in another batch shape, so the default mode's bf16 and int8 kernels
-    round that row's logits differently in the last bits. The sampler's race (engine/sampler.py)
-    changes its token only when two candidates' perturbed scores nearly tie, so the text
-    repeats; another seed gives another text."""
+    only its last token. The scheduler gives a seeded prompt's last token a step of its own
+    cold too, so both sample from the same logits: the same text, and the same logprobs bit
+    for bit (computed inside the prompt's chunk, the default mode's kernels would round them
+    differently). Another seed gives another text."""
     prompt = f"A seeded {endpoint} story, told twice. Once upon a time"
 
-    def sample(seed: int) -> tuple[str, int]:
+    def sample(seed: int) -> tuple[str, list[float], int]:
         args = dict(
             model=MODEL_ID, max_tokens=16, temperature=1.0, seed=seed, extra_body=FIXED_LENGTH
         )
         if endpoint == "chat":
             messages = [{"role": "user", "content": prompt}]
-            chat = client.chat.completions.create(messages=messages, **args)
+            chat = client.chat.completions.create(messages=messages, logprobs=True, **args)
             text, usage = chat.choices[0].message.content, chat.usage
+            logprobs = [entry.logprob for entry in chat.choices[0].logprobs.content]
         else:
-            completion = client.completions.create(prompt=prompt, **args)
+            completion = client.completions.create(prompt=prompt, logprobs=0, **args)
             text, usage = completion.choices[0].text, completion.usage
+            logprobs = completion.choices[0].logprobs.token_logprobs
         details = usage.prompt_tokens_details
-        return text, details.cached_tokens if details else 0
+        return text, logprobs, details.cached_tokens if details else 0
 
-    cold, cold_cached = sample(1234)
-    cached, cached_tokens = sample(1234)
+    cold, cold_logprobs, cold_cached = sample(1234)
+    cached, cached_logprobs, cached_tokens = sample(1234)
     assert cold_cached == 0 and cached_tokens > 0  # the second really came from the cache
     assert cached == cold
+    assert len(cold_logprobs) == 16 and cached_logprobs == cold_logprobs
     assert sample(4321)[0] != cold
 
 

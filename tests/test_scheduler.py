@@ -44,6 +44,26 @@ def test_long_prompt_is_chunked_under_the_token_budget_and_decodes_go_first():
     assert not sched.has_work
 
 
+def test_a_seeded_prompt_computes_its_last_token_in_a_step_of_its_own():
+    """Cold, a seeded prompt's last token runs alone as a cached prompt's does (one row over
+    the KV before it), so its first token is sampled from the same logits both times."""
+    sched = make_scheduler(policy="fcfs", max_num_batched_tokens=8, max_num_seqs=4)
+    seeded = make_seq(5, max_tokens=2, seed=7)
+    plain = make_seq(5, max_tokens=2)
+    sched.add(seeded)
+    sched.add(plain)
+    # The budget takes 4 of seeded's 5 tokens, then 4 of plain's, which finishes next step.
+    assert plan(run_step(sched)) == [(seeded.seq_id, 0, 4, False), (plain.seq_id, 0, 4, False)]
+    assert plan(run_step(sched)) == [(seeded.seq_id, 4, 1, True), (plain.seq_id, 4, 1, True)]
+
+    chunked = make_seq(12, max_tokens=1, seed=7)
+    sched.add(chunked)
+    run_step(sched)  # the others decode and finish; chunked takes the 6 budget tokens left
+    # Over the budget, only the chunk that would end the prompt gives up its last token.
+    assert plan(run_step(sched)) == [(chunked.seq_id, 6, 5, False)]
+    assert plan(run_step(sched)) == [(chunked.seq_id, 11, 1, True)]
+
+
 def test_num_computed_tokens_advances_in_update_not_in_schedule():
     kv = make_kv()
     sched = make_scheduler(kv, policy="fcfs", max_num_batched_tokens=4)

@@ -235,12 +235,10 @@ def scatter_columns(
 PACKED_BF16_MAX_ROWS = 4
 
 # Rows up to which they run cpu_ops' packed kernels on AMX tiles where the CPU has them
-# (cpu_ops.packed_amx). Up to 128 rows those match or beat oneDNN's on the model's layer shapes
-# (`python -m evals.bench_kernels --rows 8 16 32 64 128 256`), but a prompt's last token then
-# rounds differently cold (inside an AMX prefill) and cached (a row of its own, on the packed
-# kernel) more often than under oneDNN: seeded requests repeated 3 of 6 times cold and cached
-# against all of them. Off until those two paths agree.
-AMX_BF16_MAX_ROWS = PACKED_BF16_MAX_ROWS
+# (cpu_ops.packed_amx): up to here those match or beat oneDNN's on the model's layer shapes,
+# and they hand their work out to the threads as they come free; at prefill sizes oneDNN's
+# blocking wins (`python -m evals.bench_kernels --rows 8 16 32 64 128 256`).
+AMX_BF16_MAX_ROWS = 128
 
 
 # The same for the int8 kernel (OneDNNInt8Linear) and cpu_ops' VNNI kernel, measured the same.

@@ -98,6 +98,9 @@ class Scheduler:
          urgent first. When the policy's pick does not fit the KV cache, admission stops
          for this step, so a large request is not starved by smaller ones.
     A long prompt is thus prefilled over several steps and never delays anyone's next token.
+    A seeded request's last prompt token gets a step of its own (_prefill_chunk), as it does
+    when its prompt is found cached, so its first token is sampled from the same logits cold
+    and cached.
 
     Preemption rule: a running sequence's prefill chunk shrinks to the KV blocks free; when
     not even one of its tokens fits, the least urgent running sequence not yet scheduled in
@@ -244,13 +247,13 @@ class Scheduler:
             admitting = True  # until the policy's pick does not fit the KV cache
             while budget > 0 and (seq := self._next_prefill(pending, admitting)) is not None:
                 if seq.status is SequenceStatus.RUNNING:
-                    num_new = self._run_chunk(seq, min(self._remaining(seq), budget), pending, out)
+                    num_new = self._run_chunk(seq, self._prefill_chunk(seq, budget), pending, out)
                 else:
                     num_new = self._admit(seq, budget, out)
                     admitting = num_new > 0
                 budget -= num_new
-                if num_new and out.scheduled[-1].ends_prefill:
-                    self.policy.on_prefilled(seq)  # its whole prompt is scheduled
+                if num_new and self._remaining(seq) - num_new <= 1:
+                    self.policy.on_prefilled(seq)  # no prefill chunk left, decodes from here
             return out
 
     def _prefill_queue(self) -> list[Sequence]:
@@ -375,6 +378,19 @@ class Scheduler:
             )
         return remaining
 
+    def _prefill_chunk(self, seq: Sequence, budget: int) -> int:
+        """How many of seq's uncomputed tokens its prefill chunk takes: as many as the budget
+        allows, except the last token of a seeded request's prompt, which is left for a step of
+        its own. A cached prompt recomputes just that token, as a one-row chunk attending over
+        the cached KV; computed cold inside a longer chunk it would take other kernels (prefill
+        attention, many-row GEMMs) that round its logits differently, and a seeded text could
+        then differ cold and cached."""
+        remaining = self._remaining(seq)
+        num_new = min(remaining, budget)
+        if seq.sampling.seed is not None and not seq.num_output_tokens and 1 < num_new == remaining:
+            num_new -= 1
+        return num_new
+
     def _run_chunk(
         self, seq: Sequence, wanted: int, pending: dict[int, Sequence], out: SchedulerOutput
     ) -> int:
@@ -460,7 +476,7 @@ class Scheduler:
         if seq.num_preemptions:
             # A recompute hits the sequence's own blocks; report the first admission's hit.
             seq.num_cached_prompt_tokens = cached_before
-        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        num_new = self._prefill_chunk(seq, budget)
         while not self.kv.can_allocate(seq, num_new) and self.kv.pins.release_oldest():
             pass
         if not self.kv.allocate(seq, num_new):
