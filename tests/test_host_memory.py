@@ -1,9 +1,17 @@
-"""The heap is trimmed when the engine runs out of work and every interval while it is busy."""
+"""The heap is trimmed when the engine runs out of work and every interval while it is busy;
+the server's large tensors sit on huge pages."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from engine.host_memory import HeapTrimmer
+from tests.conftest import RunningServer
 from tests.sched_driver import FakeClock
+
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def test_trims_on_going_idle_and_every_interval_of_busy_time():
@@ -18,3 +26,21 @@ def test_trims_on_going_idle_and_every_interval_of_busy_time():
     trimmer.on_idle()
     trimmer.on_idle()
     assert trimmer.trims == 2  # once per transition to idle
+
+
+def _huge_pages_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(
+    not THP_SETTING.exists() or "[never]" in THP_SETTING.read_text(),
+    reason="this kernel has no transparent huge pages",
+)
+def test_the_server_holds_its_weights_on_huge_pages(server: RunningServer) -> None:
+    """A server started without THP_MEM_ALLOC_ENABLE in its environment (conftest) still has
+    PyTorch put its large tensors on huge pages (engine/__init__.py): at least the embedded
+    model's 368 MB of default-mode weights that decode streams (bf16 layers, int8 LM head)."""
+    assert _huge_pages_kb(server.process.pid) > 368 * 1024
