@@ -342,12 +342,35 @@ void attend_one(const float* q, const kv_t* keys_at, const kv_t* values_at, int6
   for (int64_t g = 0; g < group; ++g) {
     float* sg = scores + g * keys;
     float top = kMasked;
-    for (int64_t k = 0; k < keys; ++k) {
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    // 16 keys at a time; a masked key's score is never read (it was never written).
+    const __m512 masked = _mm512_set1_ps(kMasked);
+    __m512 tops = masked;
+    for (; k + 16 <= keys; k += 16) {
+      const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_loadu_ps(mask + k), masked, _CMP_GT_OQ);
+      tops = _mm512_mask_max_ps(tops, seen, tops, _mm512_loadu_ps(sg + k));
+    }
+    top = _mm512_reduce_max_ps(tops);
+#endif
+    for (; k < keys; ++k) {
       top = mask[k] <= kMasked ? top : std::max(top, sg[k]);
     }
     float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t k = 0; k < keys; ++k) {
+    k = 0;
+#if defined(__AVX512F__)
+    const __m512 top_lanes = _mm512_set1_ps(top);
+    __m512 totals = _mm512_setzero_ps();
+    for (; k + 16 <= keys; k += 16) {
+      const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_loadu_ps(mask + k), masked, _CMP_GT_OQ);
+      const __m512 p = _mm512_maskz_mov_ps(
+          seen, exp_nonpositive_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + k), top_lanes)));
+      _mm512_storeu_ps(sg + k, p);
+      totals = _mm512_add_ps(totals, p);
+    }
+    total = _mm512_reduce_add_ps(totals);
+#endif
+    for (; k < keys; ++k) {
       const float p = mask[k] <= kMasked ? 0.f : exp_nonpositive(sg[k] - top);
       sg[k] = p;
       total += p;
