@@ -184,10 +184,7 @@ def vllm_server(log: Path, extra_args: tuple[str, ...] = ()) -> Iterator[str]:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     preload = [p for p in _tuning_libraries() if p.exists()]
-    # vLLM's CPU guide does not ask for PyTorch's huge pages: the THP_MEM_ALLOC_ENABLE this
-    # process has from importing engine (engine/__init__.py) is not passed on.
-    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    env.update(VLLM_ENV, LD_PRELOAD=":".join(str(p) for p in preload))
+    env = dict(os.environ, **VLLM_ENV, LD_PRELOAD=":".join(str(p) for p in preload))
     dtype, _ = vllm_cpu_dtype()
     command = [
         str(VLLM_VENV / "bin" / "vllm"), "serve", str(embedded_checkpoint_dir()),

@@ -15,8 +15,11 @@ With `--neighbour-duty D` another process busy-waits D of every 4 ms throughout,
 event loop and a benchmark's client take their share of its cores: a kernel that splits its
 work in equal shares up front waits on whichever thread lost its core (csrc/parallel.h).
 
+With `--no-huge-pages` the weights and KV pools stay on the ordinary pages of PyTorch's
+allocator (engine/model/huge_pages.py).
+
     python -m evals.bench_step [--users 1 16 32 64] [--rounds 8] [--output-tokens 24]
-                               [--neighbour-duty 0.3]
+                               [--neighbour-duty 0.3] [--no-huge-pages]
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from collections.abc import Iterator
 import torch
 
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.model import cpu_ops
+from engine.model import cpu_ops, huge_pages
 from engine.offline import LLM
 from engine.request import Sequence
 from engine.sampling import SamplingParams
@@ -52,7 +55,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=24)
     parser.add_argument("--neighbour-duty", type=float, default=0.0)
+    parser.add_argument("--no-huge-pages", action="store_true")
     args = parser.parse_args()
+    huge_pages.ENABLED = not args.no_huge_pages
     if not cpu_ops.available():
         raise SystemExit("the fused CPU kernels could not be built here (see the log)")
     llm = LLM(
@@ -100,13 +105,13 @@ def main() -> None:
     markdown = "\n".join(lines)
     print(
         f"{torch.get_num_threads()} threads, {args.rounds} rounds, "
-        f"neighbour duty {args.neighbour_duty}"
+        f"neighbour duty {args.neighbour_duty}, huge pages {huge_pages.ENABLED}"
     )
     print(markdown)
     path = write_results(
         "bench_step",
         {"users": args.users, "rounds": args.rounds, "prompt_tokens": args.prompt_tokens,
-         "neighbour_duty": args.neighbour_duty,
+         "neighbour_duty": args.neighbour_duty, "huge_pages": huge_pages.ENABLED,
          "output_tokens": args.output_tokens,
          "decode_step_ms": {way: {str(n): ms[way, n] for n in args.users} for way in WAYS},
          "fused_phase_ms": {str(n): profile for n, profile in profiles.items()},

@@ -54,13 +54,7 @@ class RunningServer:
 def start_server(tmp_dir: Path, **settings: str) -> RunningServer:
     """Start `uvicorn app.main:app` with the given settings (env vars) and wait for /health."""
     port = free_port()
-    # Neither the settings nor the allocator's huge pages (which importing engine sets in this
-    # process) come from the test run: a server gets what it would get in a fresh shell.
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in _SETTING_NAMES and k != "THP_MEM_ALLOC_ENABLE"
-    }
+    env = {k: v for k, v in os.environ.items() if k not in _SETTING_NAMES}
     env.update({"HOST": "127.0.0.1", "PORT": str(port), "MAX_ACTIVE_KV_TOKENS": "32768"})
     env.update({k: str(v) for k, v in settings.items()})
     log_path = tmp_dir / f"server-{port}.log"

@@ -40,7 +40,7 @@ def _huge_pages_kb(pid: int) -> int:
     reason="this kernel has no transparent huge pages",
 )
 def test_the_server_holds_its_weights_on_huge_pages(server: RunningServer) -> None:
-    """A server started without THP_MEM_ALLOC_ENABLE in its environment (conftest) still has
-    PyTorch put its large tensors on huge pages (engine/__init__.py): at least the embedded
-    model's 368 MB of default-mode weights that decode streams (bf16 layers, int8 LM head)."""
+    """The server's packed weights and KV pools sit on huge pages (engine/model/huge_pages.py):
+    at least the embedded model's 368 MB of default-mode weights that decode streams (bf16
+    layers, int8 LM head)."""
     assert _huge_pages_kb(server.process.pid) > 368 * 1024

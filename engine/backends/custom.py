@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.backends.base import InferenceBackend
+from engine.model import huge_pages
 from engine.model.architecture import GemmaTextConfig
 from engine.model.gemma import GemmaForCausalLM
 from engine.model.linear_kernels import warm_up
@@ -22,6 +23,7 @@ class CustomBackend(InferenceBackend):
         kernel: str = "exact",
     ) -> None:
         self.model = GemmaForCausalLM.from_state_dict(config, state_dict, device, dtype, kernel)
+        huge_pages.place_module(self.model)  # decode streams the weights: 2 MB pages
         super().__init__(self.model.arch, device, dtype, max_model_len, exact=kernel == "exact")
 
     def hidden_states(

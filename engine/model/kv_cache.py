@@ -22,6 +22,7 @@ import torch
 from engine.backends.base import CacheGroupSpec
 from engine.kv.block_pool import Block
 from engine.kv.sizing import LanePlace, SharedPages
+from engine.model import huge_pages
 from engine.model.architecture import GemmaArchitecture, LayerSpec
 
 GROUP_ORDER = ("full", "sliding")
@@ -94,8 +95,8 @@ class PagedKVCache:
                 raise ValueError(f"need a positive number of blocks, got {num_blocks}")
             for spec in storing:
                 shape = (num_blocks[spec.group] * block_size, spec.num_kv_heads, spec.head_dim)
-                self.keys[spec.index] = torch.zeros(shape, device=device, dtype=dtype)
-                self.values[spec.index] = torch.zeros(shape, device=device, dtype=dtype)
+                self.keys[spec.index] = huge_pages.zeros(shape, dtype, device)
+                self.values[spec.index] = huge_pages.zeros(shape, dtype, device)
                 self.place[spec.index] = LanePlace()
         # Which group's addressing each layer reads, and where in its blocks: its own, or its
         # KV producer's.
@@ -112,11 +113,9 @@ class PagedKVCache:
         dtype: torch.dtype,
     ) -> None:
         lane_elements = layout.num_pages * self.block_size * layout.lane_width
-        key_lanes = [
-            torch.zeros(lane_elements, device=device, dtype=dtype) for _ in range(layout.lanes)
-        ]
+        key_lanes = [huge_pages.zeros((lane_elements,), dtype, device) for _ in range(layout.lanes)]
         value_lanes = [
-            torch.zeros(lane_elements, device=device, dtype=dtype) for _ in range(layout.lanes)
+            huge_pages.zeros((lane_elements,), dtype, device) for _ in range(layout.lanes)
         ]
         for group in {spec.group for spec in storing}:
             layers = [spec for spec in storing if spec.group == group]
