@@ -28,7 +28,7 @@ from engine.model.kv_cache import auto_kv_cache_dtype, cache_group_specs
 from engine.model.loader import LoadedModel
 from engine.request import FinishReason, Sequence, StepOutput, TokenLogprob
 from engine.runner import ModelRunner
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import Sampler, SamplerOutput, SamplingRow, takes_argmax
 from engine.sched.admission import AddResult
 from engine.sched.output import SchedulerOutput
 from engine.sched.scheduler import MAX_AUTO_BATCH, Scheduler, SchedulerConfig
@@ -58,6 +58,9 @@ class EngineConfig:
     # The most KV one tenant's sessions keep pinned between turns; None: no quota.
     session_kv_quota_tokens: int | None = 16384
     faults: tuple[FaultRule, ...] = ()  # FAULT_INJECTION's rules (tests only; engine.faults)
+    # A step whose rows are all plain greedy takes its tokens from the LM head's own argmax
+    # where the head's kernel has one, so the logits are never written (ModelRunner.forward).
+    greedy_head: bool = True
 
     def with_auto_kv_cache_dtype(self, kernel: str, dtype: torch.dtype) -> EngineConfig:
         """This config with no kv_cache_dtype resolved as KV_CACHE_DTYPE=auto does for the
@@ -210,26 +213,30 @@ class LLMEngine:
     def _run(self, plan: SchedulerOutput) -> list[tuple[Sequence, StepOutput]]:
         """Forward, sample and detokenize the scheduled chunks, then update the scheduler."""
         profile, faults = self.profile, self.faults  # faults: None unless FAULT_INJECTION is set
+        sampling = [item.seq for item in plan.scheduled if item.samples]
         with profile.phase("batch"):
             batch = self.runner.prepare(plan.scheduled, self.kv)
+            rows = [SamplingRow.from_sequence(seq) for seq in sampling]
+            greedy = self.config.greedy_head and all(takes_argmax(row) for row in rows)
         with profile.phase("forward"):
             if faults is not None:
                 faults.check("forward", plan.scheduled)
-            result = self.runner.forward(batch)
+            result = self.runner.forward(batch, greedy=greedy)
             if result.attention_mass is not None:
                 self.runner.record_attention(plan.scheduled, batch, result.attention_mass, self.kv)
         if result.prompt_logprobs is not None:
             for item, scored in zip(plan.scheduled, result.prompt_logprobs, strict=True):
                 item.seq.prompt_logprobs.extend(scored)
 
-        sampling = [item.seq for item in plan.scheduled if item.samples]
         outputs: list[tuple[Sequence, StepOutput]] = []
         finished: dict[int, FinishReason] = {}
         if sampling:
             with profile.phase("sample"):
-                sampled = self.sampler.sample(
-                    result.logits, [SamplingRow.from_sequence(seq) for seq in sampling]
-                )
+                if result.token_ids is not None:
+                    sampled = SamplerOutput(result.token_ids, [None] * len(sampling))
+                else:
+                    assert result.logits is not None
+                    sampled = self.sampler.sample(result.logits, rows)
             with profile.phase("detokenize"):
                 for seq, token, logprob in zip(
                     sampling, sampled.token_ids, sampled.logprobs, strict=True

@@ -29,7 +29,12 @@ from engine.sched.output import ScheduledSeq
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [N, vocab] float32, rows in the order of batch.logits_indices
+    # [N, vocab] float32, rows in the order of batch.logits_indices; None where token_ids
+    # holds the step's tokens instead.
+    logits: torch.Tensor | None
+    # With forward(greedy=True), where the backend's LM head has its own argmax: each
+    # sampling row's first maximum, in the same order (the logits were never written).
+    token_ids: list[int] | None = None
     # Per scheduled sequence, the prompt tokens this step scored (batch.score_counts of them;
     # engine.prompt_logprobs); None when no sequence wanted any.
     prompt_logprobs: list[list[TokenLogprob]] | None = None
@@ -86,8 +91,10 @@ class ModelRunner:
             self.kv_cache.copy_block(copy.group, *copy.pages)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        """Write the batch's new K/V into the cache, attend, return the wanted logits."""
+    def forward(self, batch: ForwardBatch, greedy: bool = False) -> ForwardOutput:
+        """Write the batch's new K/V into the cache, attend, return the wanted logits; with
+        `greedy` (every sampling row takes the argmax of its logits as they are), the rows'
+        argmax instead where the backend's head computes it without the logits."""
         step = PagedAttentionStep(
             batch,
             self.kv_cache,
@@ -107,7 +114,10 @@ class ModelRunner:
             step,
             rows.to(self.device, torch.long),
         )
-        logits = self.backend.logits(hidden[:num_sampled], self._logits_out(num_sampled))
+        token_ids = self.backend.greedy_tokens(hidden[:num_sampled]) if greedy else None
+        logits = None
+        if token_ids is None:
+            logits = self.backend.logits(hidden[:num_sampled], self._logits_out(num_sampled))
         prompt_logprobs = None
         if batch.score_counts:
             scored = reduce_prompt_logprobs(
@@ -115,7 +125,10 @@ class ModelRunner:
             )
             prompt_logprobs = _split(scored, batch.score_counts)
         return ForwardOutput(
-            logits=logits, prompt_logprobs=prompt_logprobs, attention_mass=step.attention_mass()
+            logits=logits,
+            token_ids=None if token_ids is None else token_ids.tolist(),
+            prompt_logprobs=prompt_logprobs,
+            attention_mass=step.attention_mass(),
         )
 
     def release_buffers(self) -> None:

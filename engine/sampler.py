@@ -323,6 +323,23 @@ def _choose_among(logits: torch.Tensor, allowed: torch.Tensor, row: SamplingRow)
     return int(_race(kept[None], inverse_temperature, keys, allowed[None])[0])
 
 
+def takes_argmax(row: SamplingRow) -> bool:
+    """Whether Sampler.sample gives `row` the first maximum of its logits as they are, and no
+    logprobs: greedy, with no logit bias, penalty, min_tokens ban or grammar. A step whose rows
+    all do needs only that index (ModelRunner.forward's `greedy`)."""
+    p = row.params
+    return (
+        p.temperature < _GREEDY_TEMPERATURE
+        and p.logprobs is None
+        and not p.logit_bias
+        and row.step >= p.min_tokens
+        and p.repetition_penalty == 1.0
+        and p.frequency_penalty == 0.0
+        and p.presence_penalty == 0.0
+        and row.grammar is None
+    )
+
+
 def _whole_distribution(params: SamplingParams) -> bool:
     """The row chooses from its whole (temperature-scaled) distribution: greedy, or no top-k,
     top-p or min-p."""

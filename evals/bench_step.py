@@ -18,8 +18,13 @@ work in equal shares up front waits on whichever thread lost its core (csrc/para
 With `--no-huge-pages` the weights and KV pools stay on the ordinary pages of PyTorch's
 allocator (engine/model/huge_pages.py).
 
+The requests sample at `--temperature` (1 by default). At 0 they are greedy, and each step
+takes its tokens from the LM head's own argmax without writing the logits
+(EngineConfig.greedy_head); `--no-greedy-head` takes the logits and the sampler's argmax.
+
     python -m evals.bench_step [--users 1 16 32 64] [--rounds 8] [--output-tokens 24]
                                [--neighbour-duty 0.3] [--no-huge-pages]
+                               [--temperature 0] [--no-greedy-head]
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=24)
     parser.add_argument("--neighbour-duty", type=float, default=0.0)
     parser.add_argument("--no-huge-pages", action="store_true")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--no-greedy-head", action="store_true")
     args = parser.parse_args()
     huge_pages.ENABLED = not args.no_huge_pages
     if not cpu_ops.available():
@@ -69,6 +76,7 @@ def main() -> None:
                 max_num_batched_tokens=max(args.users) * args.prompt_tokens,
             ),
             enable_prefix_caching=False,
+            greedy_head=not args.no_greedy_head,
         ),
     )
     model, runner = llm.engine.backend.model, llm.engine.runner
@@ -105,13 +113,15 @@ def main() -> None:
     markdown = "\n".join(lines)
     print(
         f"{torch.get_num_threads()} threads, {args.rounds} rounds, "
-        f"neighbour duty {args.neighbour_duty}, huge pages {huge_pages.ENABLED}"
+        f"neighbour duty {args.neighbour_duty}, huge pages {huge_pages.ENABLED}, "
+        f"temperature {args.temperature}, greedy head {not args.no_greedy_head}"
     )
     print(markdown)
     path = write_results(
         "bench_step",
         {"users": args.users, "rounds": args.rounds, "prompt_tokens": args.prompt_tokens,
          "neighbour_duty": args.neighbour_duty, "huge_pages": huge_pages.ENABLED,
+         "temperature": args.temperature, "greedy_head": not args.no_greedy_head,
          "output_tokens": args.output_tokens,
          "decode_step_ms": {way: {str(n): ms[way, n] for n in args.users} for way in WAYS},
          "fused_phase_ms": {str(n): profile for n, profile in profiles.items()},
@@ -142,7 +152,9 @@ def run_rounds(
             model.fuse(way == "fused kernels")
             runner.paged_decode = way == "fused kernels"
             prompts = [token_prompt(llm.tokenizer, rng, args.prompt_tokens) for _ in range(users)]
-            params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
+            params = SamplingParams(
+                max_tokens=args.output_tokens, ignore_eos=True, temperature=args.temperature
+            )
             times, profile = decode_steps(llm.engine, prompts, params)
             if round_index:
                 steps[way, users] += times

@@ -115,9 +115,9 @@ def recorded_forwards(runner: ModelRunner) -> Iterator[list[ForwardBatch]]:
     batches: list[ForwardBatch] = []
     forward = runner.forward
 
-    def recording(batch: ForwardBatch):
+    def recording(batch: ForwardBatch, greedy: bool = False):
         batches.append(batch)
-        return forward(batch)
+        return forward(batch, greedy=greedy)
 
     runner.forward = recording  # type: ignore[method-assign]
     try:

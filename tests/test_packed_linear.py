@@ -300,3 +300,62 @@ def int8_integers(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     top = int8_weight_max()
     scales = (weight.abs().amax(dim=1) / top).clamp(min=1e-8)
     return (weight / scales[:, None]).round().clamp(-top, top).to(torch.int8), scales
+
+
+@needs_packed(torch.int8)
+@pytest.mark.parametrize("outputs, inputs", SHAPES)
+@pytest.mark.parametrize("rows", INT8_ROWS)
+def test_int8_argmax_is_the_first_maximum_of_the_outputs(
+    outputs: int, inputs: int, rows: int
+) -> None:
+    """packed_int8_linear_argmax finds, per row, the first maximum of the outputs the
+    reference computes by hand, without the kernel writing them."""
+    integers = torch.randint(-127, 128, (outputs, inputs), dtype=torch.int8,
+                             generator=torch.Generator().manual_seed(outputs))  # fmt: skip
+    scales = random(outputs, seed=2).abs() * 1e-3
+    x = random(rows, inputs, seed=rows + 100)
+    compensation = (integers.sum(dim=1, dtype=torch.int32) * 128).int()
+    packed = cpu_ops.pack_linear_weight(integers)
+    found = cpu_ops.packed_int8_linear_argmax(x, packed, scales, compensation, outputs)
+    expected = int8_reference(x, integers, scales).max(dim=1).indices
+    assert torch.equal(found, expected)
+
+
+@needs_packed(torch.int8)
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_int8_argmax_takes_the_first_of_tied_outputs_and_of_nans(rows: int) -> None:
+    """Outputs 5, 40, 300 and 999 have the same weights and scale, and every row is output 5's
+    weights: they tie for the largest (in one tile, and in tiles that other threads may take
+    first), and the first of them wins, as torch.max picks. A NaN scale makes its output NaN
+    in every row, which counts as the largest: the first NaN wins."""
+    outputs, inputs = 1000, 128
+    integers = torch.randint(-127, 128, (outputs, inputs), dtype=torch.int8,
+                             generator=torch.Generator().manual_seed(3))  # fmt: skip
+    integers[[40, 300, 999]] = integers[5].clone()
+    scales = torch.full((outputs,), 1e-3)
+    x = integers[5].float().repeat(rows, 1) * torch.arange(1, rows + 1)[:, None]
+    compensation = (integers.sum(dim=1, dtype=torch.int32) * 128).int()
+    packed = cpu_ops.pack_linear_weight(integers)
+    reference = int8_reference(x, integers, scales)
+    assert torch.equal(reference[:, 999], reference[:, 5])
+    assert (reference.max(dim=1).indices == 5).all()
+    found = cpu_ops.packed_int8_linear_argmax(x, packed, scales, compensation, outputs)
+    assert found.tolist() == [5] * rows
+    scales[[130, 77]] = float("nan")
+    found = cpu_ops.packed_int8_linear_argmax(x, packed, scales, compensation, outputs)
+    assert found.tolist() == [77] * rows
+
+
+@needs_packed(torch.int8)
+def test_int8_module_argmax_where_its_kernel_serves_the_rows() -> None:
+    """OneDNNInt8Linear.argmax is its own outputs' first maximum for the row counts cpu_ops'
+    kernel serves, and None past them, where oneDNN computes the outputs."""
+    weight = random(500, 128, seed=51) * 0.05
+    module = OneDNNInt8Linear(weight)
+    most = AMX_INT8_MAX_ROWS if module.amx_tiles else PACKED_INT8_MAX_ROWS
+    for rows in (1, most):
+        x = random(rows, 128, seed=rows)
+        found = module.argmax(x)
+        assert found is not None
+        assert torch.equal(found, module(x).max(dim=1).indices)
+    assert module.argmax(random(most + 1, 128, seed=0)) is None

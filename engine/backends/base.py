@@ -68,6 +68,12 @@ class InferenceBackend(ABC):
         """The LM head (and final softcap) on hidden states: [N, vocab] float32, written into
         `out` (a buffer reused between steps) where the head's kernel can."""
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The first maximum of each row of logits(hidden) (int64 [N]) where the head's kernel
+        finds it without writing the logits; None where it cannot (then the caller takes the
+        logits)."""
+        return None
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -38,6 +38,9 @@ class CustomBackend(InferenceBackend):
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.model.logits(hidden, out)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.model.greedy_tokens(hidden)
+
     def warm_up(self, max_tokens: int, max_seqs: int) -> int:
         calls = warm_up(self.model.model, max_tokens, self.dtype)
         if self.model.fast_head is not None:

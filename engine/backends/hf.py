@@ -27,7 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from engine.backends.base import InferenceBackend
 from engine.model.architecture import GemmaTextConfig, architecture_from_config
-from engine.model.linear_kernels import quantize_model, run_head, warm_up
+from engine.model.linear_kernels import head_argmax, quantize_model, run_head, warm_up
 from engine.model.paged_attention import PagedAttentionStep
 
 ATTENTION_NAME = "gemma_serve_paged"
@@ -134,6 +134,12 @@ class HFBackend(InferenceBackend):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """As the custom backend's: the head's own argmax, where it has one and no softcap."""
+        if self.model.config.final_logit_softcapping is not None:
+            return None
+        return head_argmax(self.model.lm_head, hidden)
 
     def warm_up(self, max_tokens: int, max_seqs: int) -> int:
         head = self.model.get_output_embeddings()

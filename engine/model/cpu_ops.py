@@ -210,6 +210,21 @@ def packed_int8_linear(
     )
 
 
+def packed_int8_linear_argmax(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    compensation: torch.Tensor,
+    out_features: int,
+) -> torch.Tensor:
+    """The first maximum of each row of packed_int8_linear(x, ...) as row_argmax finds it (a
+    NaN counts as the largest): int64 [rows], each output computed as packed_int8_linear
+    computes it but never written out."""
+    return torch.ops.gemma_cpu.packed_int8_linear_argmax(
+        x, packed, scales, compensation, out_features
+    )
+
+
 def packed_amx(dtype: torch.dtype, inputs: int) -> bool:
     """Whether packed_int8_linear (int8), packed_linear and packed_gated_mlp (bfloat16) run
     many rows on AMX tiles for weights of `inputs` inputs: built with AMX, the kernel allowed to

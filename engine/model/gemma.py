@@ -32,6 +32,7 @@ from engine.model.linear_kernels import (
     BFloat16GatedMLP,
     BFloat16Linear,
     body_and_head,
+    head_argmax,
     make_fused_mlp,
     make_linear,
     quantize_model,
@@ -471,6 +472,14 @@ class GemmaForCausalLM(nn.Module):
         """The final normed hidden states [N, hidden] of the flattened batch's rows `rows`."""
         hidden = self.model(input_ids, positions, step)
         return self.model.norm(hidden.index_select(0, rows))
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The first maximum of each row of logits(hidden), from the fast head's own argmax
+        (linear_kernels.head_argmax); None where it has none. A final softcap could round two
+        logits to a tie that the raw ones do not have, so a capped model takes the logits."""
+        if self.fast_head is None or self.arch.final_logit_softcapping is not None:
+            return None
+        return head_argmax(self.fast_head, hidden)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [N, vocab] float32 of final hidden states. A sliced fast head writes them into

@@ -467,6 +467,16 @@ class OneDNNInt8Linear(nn.Module):
         """As BFloat16Linear.forward: a sliced output goes into `out` where it fits."""
         return self._run(x, self.slices, out)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The first maximum of each row of forward(x) (int64 [rows]) without writing the
+        outputs, where cpu_ops' kernel computes these rows; else None."""
+        rows = x.reshape(-1, self.in_features)
+        if self.tiles is None or not self._packed_rows(rows.shape[0]):
+            return None
+        return cpu_ops.packed_int8_linear_argmax(
+            rows, self.tiles, self.tile_scales, self.compensation, self.out_features
+        )
+
     def prime(self, x: torch.Tensor) -> None:
         """As BFloat16Linear.prime: forward(x) with one slice of each shape run (warm_up);
         nothing for the row counts cpu_ops' kernel serves (it keeps no per-shape state)."""
@@ -518,6 +528,17 @@ def run_head(head: nn.Module, hidden: torch.Tensor, out: torch.Tensor | None) ->
     if isinstance(head, (BFloat16Linear, OneDNNInt8Linear)):
         return head(hidden, out=out)
     return head(hidden)
+
+
+def head_argmax(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
+    """The first maximum of each row of head(hidden) (int64 [rows]), computed without writing
+    the logits out, where the head's kernel can (the int8 head on cpu_ops' kernel, float32 in
+    and out: bfloat16 logits could round two of them to a tie); else None.
+    A greedy step needs only that index, and at 64 rows the logits it skips are 64 MiB
+    (`python -m evals.bench_step --temperature 0 [--no-greedy-head]` measures the difference)."""
+    if isinstance(head, OneDNNInt8Linear) and hidden.dtype == torch.float32:
+        return head.argmax(hidden)
+    return None
 
 
 @torch.inference_mode()

@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "parallel.h"
@@ -597,22 +598,91 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return out;
 }
 
-// x [rows, I] @ W.T for int8 weights W packed by pack_linear_weight, quantized as
-// OneDNNInt8Linear quantizes: each row scaled so its largest magnitude is 127 and rounded to
-// int8 (to nearest even), stored as uint8 q + 128; the products summed exactly in int32, less
-// compensation[o] = 128 * sum_i W[o, i]; then float(sum) * scales[o] (the weight's scale over
-// 127) * the row's largest magnitude. Rows past kMaxRows run on AMX tiles where
-// packed_amx(int8, I). Returns [rows, out_features] float32: `out` where given.
-at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed,
-                              const at::Tensor& scales, const at::Tensor& compensation,
-                              int64_t out_features, const std::optional<at::Tensor>& out_opt) {
+// x's rows as the int8 kernels read them, quantized as OneDNNInt8Linear quantizes: each row
+// scaled so its largest magnitude is 127 and rounded to int8 (to nearest even), stored as uint8
+// q + 128, `stride` bytes a row; on AMX the rows are padded to whole 16-row tiles with zeros
+// (uint8 128).
+struct Int8Rows {
+  at::Tensor quantized;
+  std::vector<float> row_max;  // each row's largest magnitude (its scale is that over 127)
+  int64_t stride;
+  bool amx;  // the products run on AMX tiles
+};
+
+void check_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const at::Tensor& compensation, int64_t out_features) {
   TORCH_CHECK(packed.scalar_type() == at::kChar, "the packed weight must be int8");
   check_packed(x, packed, out_features);
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.numel() == out_features && compensation.scalar_type() == at::kInt &&
                   compensation.is_contiguous() && compensation.numel() == out_features,
               "scales (float32) and compensation (int32) need one value per output");
-  const int64_t rows = x.size(0), count = packed.size(1), width = x.size(1);
+}
+
+#if defined(__AVX512VNNI__)
+Int8Rows quantize_rows(const at::Tensor& x, int64_t count) {
+  const int64_t rows = x.size(0), width = x.size(1);
+  const bool amx = rows > kMaxRows && packed_amx(at::kChar, 4 * count);
+  Int8Rows result{at::Tensor(), std::vector<float>(rows), amx_row_bytes(count), amx};
+  const int64_t padded = amx ? amx_padded_rows(rows) : rows;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  result.quantized = at::full({padded, result.stride}, 128, x.options().dtype(at::kByte));
+  const float* in = xf.data_ptr<float>();
+  uint8_t* q = result.quantized.data_ptr<uint8_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = in + r * width;
+    float top = 0.f;
+    for (int64_t i = 0; i < width; ++i) {
+      top = std::max(top, std::fabs(xr[i]));
+    }
+    result.row_max[r] = std::max(top, 1e-12f);
+    const float scale = 127.f / result.row_max[r];
+    for (int64_t i = 0; i < width; ++i) {
+      q[r * result.stride + i] = static_cast<uint8_t>(std::nearbyint(xr[i] * scale) + 128.f);
+    }
+  }
+  return result;
+}
+
+// The int32 sums of the quantized rows against every tile of `packed`, in parallel:
+// block(t, row0, block_rows, sums) gets tile t's sums of rows [row0, row0 + block_rows)
+// ([block_rows][64], row-major; rows past the real ones are padding to skip).
+template <typename Block>
+void int8_tile_sums(const Int8Rows& x, int64_t rows, const at::Tensor& packed, Block block) {
+  const auto* q = static_cast<const uint8_t*>(x.quantized.data_ptr());
+  const int64_t count = packed.size(1);
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
+  if (x.amx) {
+    amx_tiles<false>(reinterpret_cast<const char*>(q), x.stride, x.quantized.size(0),
+                     static_cast<const char*>(packed.data_ptr()), packed.size(0), count, 1,
+                     [&](int64_t t, int64_t row0, const void* sums) {
+                       block(t, row0, kAmxRowBlock, static_cast<const int32_t*>(sums));
+                     });
+    return;
+  }
+#endif
+  run_tiles<Int8Units>(reinterpret_cast<const uint32_t*>(q), rows, x.stride / 4,
+                       packed.data_ptr<int8_t>(), packed.size(0), count, 1,
+                       [&](int64_t t, const int32_t* sums) { block(t, 0, rows, sums); });
+}
+
+// The outputs of 16 sums: float(sum - compensation) * scale * the row's largest magnitude.
+inline __m512 rescale_ps(__m512i sums, const int32_t* comp, const float* sc, __m512 top) {
+  const __m512i exact = _mm512_sub_epi32(sums, _mm512_loadu_si512(comp));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_loadu_ps(sc)), top);
+}
+#endif
+
+// x [rows, I] @ W.T for int8 weights W packed by pack_linear_weight, x quantized by
+// quantize_rows: the products summed exactly in int32, less compensation[o] = 128 * sum_i
+// W[o, i]; then float(sum) * scales[o] (the weight's scale over 127) * the row's largest
+// magnitude. Rows past kMaxRows run on AMX tiles where packed_amx(int8, I). Returns [rows,
+// out_features] float32: `out` where given.
+at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed,
+                              const at::Tensor& scales, const at::Tensor& compensation,
+                              int64_t out_features, const std::optional<at::Tensor>& out_opt) {
+  check_int8_linear(x, packed, scales, compensation, out_features);
+  const int64_t rows = x.size(0);
   at::Tensor out;
   if (out_opt.has_value()) {
     out = *out_opt;
@@ -626,72 +696,124 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed,
     return out;
   }
 #if defined(__AVX512VNNI__)
-  const bool amx = rows > kMaxRows && packed_amx(at::kChar, 4 * count);
-  // AMX reads whole 16-row tiles: the padding rows are zeros (uint8 128).
-  const int64_t padded = amx ? amx_padded_rows(rows) : rows;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const int64_t q_stride = amx_row_bytes(count);
-  at::Tensor quantized = at::full({padded, q_stride}, 128, x.options().dtype(at::kByte));
-  std::vector<float> row_max(rows);
-  const float* in = xf.data_ptr<float>();
-  uint8_t* q = quantized.data_ptr<uint8_t>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = in + r * width;
-    float top = 0.f;
-    for (int64_t i = 0; i < width; ++i) {
-      top = std::max(top, std::fabs(xr[i]));
-    }
-    row_max[r] = std::max(top, 1e-12f);
-    const float scale = 127.f / row_max[r];
-    for (int64_t i = 0; i < width; ++i) {
-      q[r * q_stride + i] = static_cast<uint8_t>(std::nearbyint(xr[i] * scale) + 128.f);
-    }
-  }
+  const Int8Rows q = quantize_rows(x, packed.size(1));
   const float* sc = scales.data_ptr<float>();
   const int32_t* comp = compensation.data_ptr<int32_t>();
   float* o = out.data_ptr<float>();
-  // sums [block rows][64] of rows [row0, row0 + block rows) and tile t, rescaled into out.
-  const auto rescale = [&](int64_t t, int64_t row0, int64_t block_rows, const int32_t* sums) {
+  int8_tile_sums(q, rows, packed, [&](int64_t t, int64_t row0, int64_t block_rows,
+                                      const int32_t* sums) {
     const int64_t first = t * kTile, n = std::min(kTile, out_features - first);
     for (int64_t r = 0; r < block_rows && row0 + r < rows; ++r) {
-      const float top = row_max[row0 + r];
+      const float top = q.row_max[row0 + r];
       float* dst = o + (row0 + r) * out_features + first;
       const int32_t* sr = sums + r * kTile;
-#if defined(__AVX512F__)
       // Many rows' outputs (the LM head's logits) outgrow the caches: streaming stores write
       // them without reading their lines in first. Only on the AMX path, whose threads fence
       // them (amx_tiles); a few rows' outputs fit the caches anyway.
-      if (amx && n == kTile && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
-        const __m512 t = _mm512_set1_ps(top);
+      if (q.amx && n == kTile && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
         for (int64_t j = 0; j < kTile; j += 16) {
-          const __m512i exact = _mm512_sub_epi32(_mm512_loadu_si512(sr + j),
-                                                 _mm512_loadu_si512(comp + first + j));
-          const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(exact),
-                                              _mm512_loadu_ps(sc + first + j));
-          _mm512_stream_ps(dst + j, _mm512_mul_ps(scaled, t));
+          _mm512_stream_ps(dst + j, rescale_ps(_mm512_loadu_si512(sr + j), comp + first + j,
+                                               sc + first + j, _mm512_set1_ps(top)));
         }
         continue;
       }
-#endif
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) {
         dst[j] = static_cast<float>(sr[j] - comp[first + j]) * sc[first + j] * top;
       }
     }
-  };
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
-  if (amx) {
-    amx_tiles<false>(reinterpret_cast<const char*>(q), q_stride, padded,
-                     static_cast<const char*>(packed.data_ptr()), packed.size(0), count, 1,
-                     [&](int64_t t, int64_t row0, const void* sums) {
-                       rescale(t, row0, kAmxRowBlock, static_cast<const int32_t*>(sums));
-                     });
+  });
+#endif
+  return out;
+}
+
+// The first maximum of each row of packed_int8_linear(x, ...) (a NaN counts as the largest,
+// the first NaN winning, as torch.max(dim).indices and row_argmax take it): int64 [rows],
+// without writing the outputs. Each output is computed as packed_int8_linear computes it, so
+// the index is the one row_argmax finds in its result. A greedy step's LM head: the logits of
+// 64 rows of a 262,144-token vocabulary are 64 MiB that would be written and read again.
+// Each thread keeps, per row and lane of 16, the largest output it met and its smallest
+// column; the lanes are reduced at the end, so the order tiles are handed out in is free.
+at::Tensor packed_int8_linear_argmax(const at::Tensor& x, const at::Tensor& packed,
+                                     const at::Tensor& scales, const at::Tensor& compensation,
+                                     int64_t out_features) {
+  check_int8_linear(x, packed, scales, compensation, out_features);
+  const int64_t rows = x.size(0);
+  at::Tensor out = at::zeros({rows}, x.options().dtype(at::kLong));
+  TORCH_CHECK(out_features < INT32_MAX, "too many outputs");
+#if defined(__AVX512VNNI__)
+  if (rows == 0) {
     return out;
   }
-#endif
-  run_tiles<Int8Units>(reinterpret_cast<const uint32_t*>(q), rows, q_stride / 4,
-                       packed.data_ptr<int8_t>(), packed.size(0), count, 1,
-                       [&](int64_t t, const int32_t* sums) { rescale(t, 0, rows, sums); });
+  const Int8Rows q = quantize_rows(x, packed.size(1));
+  const float* sc = scales.data_ptr<float>();
+  const int32_t* comp = compensation.data_ptr<int32_t>();
+  const int64_t threads = omp_get_max_threads();
+  // Per thread and row: 16 lanes of the largest value and its column, and the first NaN.
+  std::vector<float> best(threads * rows * 16, -std::numeric_limits<float>::infinity());
+  std::vector<int32_t> column(threads * rows * 16, INT32_MAX);
+  std::vector<int32_t> first_nan(threads * rows, INT32_MAX);
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int8_tile_sums(q, rows, packed, [&](int64_t t, int64_t row0, int64_t block_rows,
+                                      const int32_t* sums) {
+    const int64_t first = t * kTile, n = std::min(kTile, out_features - first);
+    const int64_t thread = omp_get_thread_num();
+    for (int64_t r = 0; r < block_rows && row0 + r < rows && n > 0; ++r) {
+      const int64_t row = row0 + r;
+      float* b = best.data() + (thread * rows + row) * 16;
+      int32_t* c = column.data() + (thread * rows + row) * 16;
+      __m512 top = _mm512_loadu_ps(b);
+      __m512i at = _mm512_loadu_si512(c);
+      __mmask16 nan = 0;
+      for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 valid = n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1;
+        const __m512 v = rescale_ps(_mm512_maskz_loadu_epi32(valid, sums + r * kTile + j),
+                                    comp + first + j, sc + first + j,
+                                    _mm512_set1_ps(q.row_max[row]));
+        const __m512i index = _mm512_add_epi32(lanes, _mm512_set1_epi32(first + j));
+        nan |= _mm512_mask_cmp_ps_mask(valid, v, v, _CMP_UNORD_Q);
+        const __mmask16 larger = _mm512_mask_cmp_ps_mask(valid, v, top, _CMP_GT_OQ);
+        const __mmask16 tie = _mm512_mask_cmp_ps_mask(valid, v, top, _CMP_EQ_OQ);
+        at = _mm512_mask_blend_epi32(larger, at, index);
+        at = _mm512_mask_min_epi32(at, tie, at, index);
+        top = _mm512_mask_blend_ps(larger, top, v);
+      }
+      _mm512_storeu_ps(b, top);
+      _mm512_storeu_si512(c, at);
+      if (nan != 0) {  // the tile's first NaN, if it comes before the one already met
+        for (int64_t j = 0; j < n; ++j) {
+          const float value =
+              static_cast<float>(sums[r * kTile + j] - comp[first + j]) * sc[first + j] *
+              q.row_max[row];
+          if (std::isnan(value)) {
+            first_nan[thread * rows + row] =
+                std::min<int32_t>(first_nan[thread * rows + row], first + j);
+            break;
+          }
+        }
+      }
+    }
+  });
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t row = 0; row < rows; ++row) {
+    int32_t nan_at = INT32_MAX;
+    float top = -std::numeric_limits<float>::infinity();
+    int32_t at = INT32_MAX;
+    for (int64_t thread = 0; thread < threads; ++thread) {
+      nan_at = std::min(nan_at, first_nan[thread * rows + row]);
+      for (int64_t lane = 0; lane < 16; ++lane) {
+        const int64_t k = (thread * rows + row) * 16 + lane;
+        if (best[k] > top || (best[k] == top && column[k] < at)) {
+          top = best[k];
+          at = column[k];
+        }
+      }
+    }
+    // Every output -inf: the first column, as torch.max gives it.
+    o[row] = nan_at != INT32_MAX ? nan_at : (at == INT32_MAX ? 0 : at);
+  }
+#else
+  TORCH_CHECK(false, "this CPU build has no int8 packed linear kernel");
 #endif
   return out;
 }
@@ -793,6 +915,9 @@ TORCH_LIBRARY_FRAGMENT(gemma_cpu, m) {
   m.def(
       "packed_int8_linear(Tensor x, Tensor packed, Tensor scales, Tensor compensation, "
       "int out_features, Tensor(a!)? out=None) -> Tensor");
+  m.def(
+      "packed_int8_linear_argmax(Tensor x, Tensor packed, Tensor scales, Tensor compensation, "
+      "int out_features) -> Tensor");
   m.def("packed_amx(ScalarType dtype, int inputs) -> bool");
   m.def(
       "packed_gated_mlp(Tensor x, Tensor gate_up, Tensor down, int hidden, int out_features) "
@@ -803,6 +928,7 @@ TORCH_LIBRARY_IMPL(gemma_cpu, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("packed_linear", &packed_linear);
   m.impl("packed_int8_linear", &packed_int8_linear);
+  m.impl("packed_int8_linear_argmax", &packed_int8_linear_argmax);
   m.impl("packed_gated_mlp", &packed_gated_mlp);
 }
 

@@ -1,0 +1,82 @@
+"""Greedy steps on the embedded Gemma 3 270M with the int8 LM head take their tokens from the
+head's own argmax (EngineConfig.greedy_head), never writing the logits: the tokens are those
+the logits and the sampler give, and a step with a row that needs the logits takes them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine.llm_engine import EngineConfig
+from engine.model import cpu_ops
+from engine.offline import LLM
+from engine.sampling import SamplingParams
+from tests.engine_harness import one_torch_thread  # noqa: F401 (a fixture)
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.skipif(
+        not cpu_ops.packed_linear_supported(torch.int8),
+        reason="this CPU build has no int8 packed kernel",
+    ),
+]
+
+# More rows than the int8 kernel's register blocks, so that on AMX the step runs on tiles.
+PROMPTS = [f"Item {i}: the best thing about the number {i} is" for i in range(9)]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def llm(embedded_model) -> LLM:
+    return LLM(
+        embedded_model,
+        device="cpu",
+        weights="int8",
+        numerics="fast",
+        config=EngineConfig(max_active_kv_tokens=4096, enable_prefix_caching=False),
+    )
+
+
+def head_calls(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by the row count of every call of the backend's logits."""
+    calls: list[int] = []
+    logits = llm.engine.backend.logits
+
+    def counted(hidden, out=None):
+        calls.append(hidden.shape[0])
+        return logits(hidden, out)
+
+    monkeypatch.setattr(llm.engine.backend, "logits", counted)
+    return calls
+
+
+def generate(llm: LLM, greedy_head: bool, params) -> list:
+    llm.engine.config = replace(llm.engine.config, greedy_head=greedy_head)
+    return llm.generate(PROMPTS, params)
+
+
+def test_greedy_steps_give_the_samplers_tokens_without_logits(llm, monkeypatch) -> None:
+    calls = head_calls(llm, monkeypatch)
+    fused = generate(llm, True, GREEDY)
+    assert calls == []
+    plain = generate(llm, False, GREEDY)
+    assert calls and max(calls) == len(PROMPTS)
+    assert [r.token_ids for r in fused] == [r.token_ids for r in plain]
+    assert all(len(r.token_ids) == GREEDY.max_tokens or r.finish_reason.value == "stop"
+               for r in fused)  # fmt: skip
+
+
+def test_a_row_that_needs_the_logits_takes_them_for_the_whole_step(llm, monkeypatch) -> None:
+    """One row asks for logprobs: every step computes the logits, that row gets its logprobs
+    and every row the same tokens as in the all-greedy run."""
+    alone = generate(llm, True, GREEDY)
+    calls = head_calls(llm, monkeypatch)
+    params = [GREEDY] * (len(PROMPTS) - 1) + [replace(GREEDY, logprobs=2)]
+    mixed = generate(llm, True, params)
+    assert calls
+    assert [r.token_ids for r in mixed] == [r.token_ids for r in alone]
+    assert len(mixed[-1].logprobs) == len(mixed[-1].token_ids)
+    assert mixed[0].logprobs == []
