@@ -666,10 +666,14 @@ void int8_tile_sums(const Int8Rows& x, int64_t rows, const at::Tensor& packed, B
                        [&](int64_t t, const int32_t* sums) { block(t, 0, rows, sums); });
 }
 
-// The outputs of 16 sums: float(sum - compensation) * scale * the row's largest magnitude.
-inline __m512 rescale_ps(__m512i sums, const int32_t* comp, const float* sc, __m512 top) {
-  const __m512i exact = _mm512_sub_epi32(sums, _mm512_loadu_si512(comp));
-  return _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_loadu_ps(sc)), top);
+// The outputs of the `valid` lanes of 16 sums: float(sum - compensation) * scale * the row's
+// largest magnitude (zero elsewhere; nothing past the valid lanes is read).
+inline __m512 rescale_ps(const int32_t* sums, const int32_t* comp, const float* sc, __m512 top,
+                         __mmask16 valid = 0xFFFF) {
+  const __m512i exact = _mm512_sub_epi32(_mm512_maskz_loadu_epi32(valid, sums),
+                                         _mm512_maskz_loadu_epi32(valid, comp));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_maskz_loadu_ps(valid, sc)),
+                       top);
 }
 #endif
 
@@ -712,8 +716,8 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed,
       // them (amx_tiles); a few rows' outputs fit the caches anyway.
       if (q.amx && n == kTile && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
         for (int64_t j = 0; j < kTile; j += 16) {
-          _mm512_stream_ps(dst + j, rescale_ps(_mm512_loadu_si512(sr + j), comp + first + j,
-                                               sc + first + j, _mm512_set1_ps(top)));
+          _mm512_stream_ps(dst + j, rescale_ps(sr + j, comp + first + j, sc + first + j,
+                                               _mm512_set1_ps(top)));
         }
         continue;
       }
@@ -748,7 +752,10 @@ at::Tensor packed_int8_linear_argmax(const at::Tensor& x, const at::Tensor& pack
   const Int8Rows q = quantize_rows(x, packed.size(1));
   const float* sc = scales.data_ptr<float>();
   const int32_t* comp = compensation.data_ptr<int32_t>();
-  const int64_t threads = omp_get_max_threads();
+  // Called inside a parallel region, parallel_chunks runs serially on the caller's thread:
+  // then one slot, whatever that thread's number.
+  const bool nested = omp_in_parallel();
+  const int64_t threads = nested ? 1 : omp_get_max_threads();
   // Per thread and row: 16 lanes of the largest value and its column, and the first NaN.
   std::vector<float> best(threads * rows * 16, -std::numeric_limits<float>::infinity());
   std::vector<int32_t> column(threads * rows * 16, INT32_MAX);
@@ -757,7 +764,7 @@ at::Tensor packed_int8_linear_argmax(const at::Tensor& x, const at::Tensor& pack
   int8_tile_sums(q, rows, packed, [&](int64_t t, int64_t row0, int64_t block_rows,
                                       const int32_t* sums) {
     const int64_t first = t * kTile, n = std::min(kTile, out_features - first);
-    const int64_t thread = omp_get_thread_num();
+    const int64_t thread = nested ? 0 : omp_get_thread_num();
     for (int64_t r = 0; r < block_rows && row0 + r < rows && n > 0; ++r) {
       const int64_t row = row0 + r;
       float* b = best.data() + (thread * rows + row) * 16;
@@ -767,9 +774,8 @@ at::Tensor packed_int8_linear_argmax(const at::Tensor& x, const at::Tensor& pack
       __mmask16 nan = 0;
       for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 valid = n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1;
-        const __m512 v = rescale_ps(_mm512_maskz_loadu_epi32(valid, sums + r * kTile + j),
-                                    comp + first + j, sc + first + j,
-                                    _mm512_set1_ps(q.row_max[row]));
+        const __m512 v = rescale_ps(sums + r * kTile + j, comp + first + j, sc + first + j,
+                                    _mm512_set1_ps(q.row_max[row]), valid);
         const __m512i index = _mm512_add_epi32(lanes, _mm512_set1_epi32(first + j));
         nan |= _mm512_mask_cmp_ps_mask(valid, v, v, _CMP_UNORD_Q);
         const __mmask16 larger = _mm512_mask_cmp_ps_mask(valid, v, top, _CMP_GT_OQ);
