@@ -39,6 +39,7 @@ from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from engine.model.linear_kernels import (
     BFloat16GatedMLP,
@@ -71,31 +72,39 @@ def float32_onednn(weight: torch.Tensor) -> Call:
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
-def onednn_only(module_class: type[BFloat16Linear] | type[OneDNNInt8Linear]):
-    """module_class with its cpu_ops tiles dropped: oneDNN at every row count."""
+def library_only(module_class: type[nn.Module]):
+    """module_class with its cpu_ops kernels dropped: its library (oneDNN, fbgemm) at every
+    row count."""
 
     def build(weight: torch.Tensor) -> Call:
         module = module_class(weight)
-        module.tiles = None
+        if isinstance(module, BFloat16Linear):
+            module.tiles = None
+        else:
+            module.packed_rows = None
         return module
 
     return build
 
 
-# Each kernel as the server runs it, and oneDNN alone where the server runs cpu_ops' packed
-# kernels at some row counts (PackedLinear: all; bf16: up to 4 rows, or 128 where cpu_ops has
-# AMX tiles; int8: up to 4 rows, or 64 where it has AMX tiles). Both int8 libraries, whichever
-# `int8` picks on this CPU (int8_linear_class).
+# Each kernel as the server runs it, and its library alone where the server runs cpu_ops'
+# packed kernels at some row counts (PackedLinear: all; bf16: up to 4 rows, or 128 where cpu_ops
+# has AMX tiles; int8: up to 4 rows, or 64 where it has AMX tiles). The int8 library is the one
+# `int8` picks on this CPU (int8_linear_class); on an AMX CPU fbgemm is timed beside it. Without
+# AMX oneDNN's int8 GEMM is left out: on an AVX512-VNNI CPU it took seconds a call from 8 rows.
+_INT8 = int8_linear_class()
+_INT8_LIBRARY = "oneDNN" if _INT8 is OneDNNInt8Linear else "fbgemm"
 KERNELS: dict[str, Callable[[torch.Tensor], Call]] = {
     "exact (float32 F.linear)": lambda w: lambda x: F.linear(x, w),
     "packed (float32, as served)": PackedLinear,
     "packed (float32, oneDNN)": float32_onednn,
     "bf16 (as served)": BFloat16Linear,
-    "bf16 (oneDNN)": onednn_only(BFloat16Linear),
-    "int8 (as served)": OneDNNInt8Linear,
-    "int8 (oneDNN only)": onednn_only(OneDNNInt8Linear),
-    "int8 (fbgemm)": DynamicInt8Linear,
+    "bf16 (oneDNN)": library_only(BFloat16Linear),
+    f"int8 ({_INT8_LIBRARY}, as served)": _INT8,
+    f"int8 ({_INT8_LIBRARY} only)": library_only(_INT8),
 }
+if _INT8 is OneDNNInt8Linear:
+    KERNELS["int8 (fbgemm only)"] = library_only(DynamicInt8Linear)
 
 
 def median_ms_in_turns(

@@ -24,8 +24,6 @@ pytestmark = [
     ),
 ]
 
-# More rows than the int8 kernel's register blocks, so that on AMX the step runs on tiles.
-PROMPTS = [f"Item {i}: the best thing about the number {i} is" for i in range(9)]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 
 
@@ -53,29 +51,40 @@ def head_calls(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def generate(llm: LLM, greedy_head: bool, params) -> list:
+@pytest.fixture(scope="module")
+def prompts(llm: LLM) -> list[str]:
+    """As many prompts as the int8 head's kernel serves rows, at most 9: more than the kernel's
+    register blocks, so that on AMX the step runs on tiles; 4 on VNNI (PackedInt8Rows)."""
+    head = llm.engine.backend.model.fast_head
+    rows = min(9, head.packed_rows.max_rows)
+    return [f"Item {i}: the best thing about the number {i} is" for i in range(rows)]
+
+
+def generate(llm: LLM, prompts: list[str], greedy_head: bool, params) -> list:
     llm.engine.config = replace(llm.engine.config, greedy_head=greedy_head)
-    return llm.generate(PROMPTS, params)
+    return llm.generate(prompts, params)
 
 
-def test_greedy_steps_give_the_samplers_tokens_without_logits(llm, monkeypatch) -> None:
+def test_greedy_steps_give_the_samplers_tokens_without_logits(llm, prompts, monkeypatch) -> None:
     calls = head_calls(llm, monkeypatch)
-    fused = generate(llm, True, GREEDY)
+    fused = generate(llm, prompts, True, GREEDY)
     assert calls == []
-    plain = generate(llm, False, GREEDY)
-    assert calls and max(calls) == len(PROMPTS)
+    plain = generate(llm, prompts, False, GREEDY)
+    assert calls and max(calls) == len(prompts)
     assert [r.token_ids for r in fused] == [r.token_ids for r in plain]
     assert all(len(r.token_ids) == GREEDY.max_tokens or r.finish_reason.value == "stop"
                for r in fused)  # fmt: skip
 
 
-def test_a_row_that_needs_the_logits_takes_them_for_the_whole_step(llm, monkeypatch) -> None:
+def test_a_row_that_needs_the_logits_takes_them_for_the_whole_step(
+    llm, prompts, monkeypatch
+) -> None:
     """One row asks for logprobs: every step computes the logits, that row gets its logprobs
     and every row the same tokens as in the all-greedy run."""
-    alone = generate(llm, True, GREEDY)
+    alone = generate(llm, prompts, True, GREEDY)
     calls = head_calls(llm, monkeypatch)
-    params = [GREEDY] * (len(PROMPTS) - 1) + [replace(GREEDY, logprobs=2)]
-    mixed = generate(llm, True, params)
+    params = [GREEDY] * (len(prompts) - 1) + [replace(GREEDY, logprobs=2)]
+    mixed = generate(llm, prompts, True, params)
     assert calls
     assert [r.token_ids for r in mixed] == [r.token_ids for r in alone]
     assert len(mixed[-1].logprobs) == len(mixed[-1].token_ids)

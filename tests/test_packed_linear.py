@@ -17,6 +17,7 @@ from engine.model.linear_kernels import (
     PACKED_INT8_MAX_ROWS,
     BFloat16GatedMLP,
     BFloat16Linear,
+    DynamicInt8Linear,
     OneDNNInt8Linear,
     PackedLinear,
     _alternate_tiles,
@@ -146,15 +147,16 @@ def test_int8_equals_its_integers(outputs: int, inputs: int, rows: int) -> None:
 
 
 @needs_packed(torch.int8)
+@pytest.mark.parametrize("linear_class", [DynamicInt8Linear, OneDNNInt8Linear])
 @pytest.mark.parametrize("rows", range(1, PACKED_INT8_MAX_ROWS + 1))
-def test_int8_module_few_rows_against_onednn(rows: int) -> None:
-    """Up to PACKED_INT8_MAX_ROWS rows run cpu_ops' kernel, more rows oneDNN's: the same
-    integers, rescaled in the last bit alike."""
+def test_int8_module_few_rows_against_its_library(linear_class, rows: int) -> None:
+    """Up to PACKED_INT8_MAX_ROWS rows run cpu_ops' kernel, more rows the module's library
+    (fbgemm, oneDNN): the same integers, rescaled in the last bit alike."""
     weight, x = random(200, 96, seed=21) * 0.05, random(rows, 96, seed=22)
-    module = OneDNNInt8Linear(weight)
-    assert module.tiles is not None
+    module = linear_class(weight)
+    assert module.packed_rows is not None and module.packed_rows.serves(rows)
     ours = module(x)
-    module.tiles = None
+    module.packed_rows = None
     torch.testing.assert_close(ours, module(x), rtol=1e-6, atol=1e-6)
 
 
@@ -166,7 +168,7 @@ def test_int8_module_rows_do_not_depend_on_their_batch() -> None:
     rows = AMX_INT8_MAX_ROWS
     weight, x = random(300, 128, seed=41) * 0.05, random(rows, 128, seed=42)
     module = OneDNNInt8Linear(weight)
-    if not module.amx_tiles:
+    if not module.packed_rows.amx:
         pytest.skip("this build of cpu_ops has no AMX tiles")
     buffer = torch.empty(rows, 300)
     batched = module(x, out=buffer)
@@ -347,12 +349,13 @@ def test_int8_argmax_takes_the_first_of_tied_outputs_and_of_nans(rows: int) -> N
 
 
 @needs_packed(torch.int8)
-def test_int8_module_argmax_where_its_kernel_serves_the_rows() -> None:
-    """OneDNNInt8Linear.argmax is its own outputs' first maximum for the row counts cpu_ops'
-    kernel serves, and None past them, where oneDNN computes the outputs."""
+@pytest.mark.parametrize("linear_class", [DynamicInt8Linear, OneDNNInt8Linear])
+def test_int8_module_argmax_where_its_kernel_serves_the_rows(linear_class) -> None:
+    """An int8 module's argmax is its own outputs' first maximum for the row counts cpu_ops'
+    kernel serves, and None past them, where its library computes the outputs."""
     weight = random(500, 128, seed=51) * 0.05
-    module = OneDNNInt8Linear(weight)
-    most = AMX_INT8_MAX_ROWS if module.amx_tiles else PACKED_INT8_MAX_ROWS
+    module = linear_class(weight)
+    most = AMX_INT8_MAX_ROWS if module.packed_rows.amx else PACKED_INT8_MAX_ROWS
     for rows in (1, most):
         x = random(rows, 128, seed=rows)
         found = module.argmax(x)

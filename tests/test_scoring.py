@@ -17,6 +17,7 @@ import torch
 
 from engine.backends import create_backend
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.model.linear_kernels import kernel_for
 from engine.prompt_logprobs import positions_to_score
 from engine.request import FinishReason, Sequence, TokenLogprob
 from engine.sampling import SamplingParams
@@ -27,6 +28,13 @@ from tests.openapi_schema import COMPLETION_CHUNK, validate
 from tests.paged_driver import hf_model
 
 pytestmark = pytest.mark.slow
+
+# The default mode's bounds against transformers' float32 logprobs, by the kernel WEIGHTS=auto
+# picks on this CPU: (mean |difference| of a prompt's logprobs, largest |difference| of an
+# lm-eval choice's summed loglik). int8 everywhere (no AMX) rounds more than bf16 layers with an
+# int8 head. Measured: 0.23 and 0.79 (int8, an AVX512-VNNI CPU); under 0.2 and 0.5 (bf16-int8head).
+DEFAULT_BOUNDS = {"bf16-int8head": (0.2, 0.5), "int8": (0.3, 1.2)}
+DEFAULT_KERNEL = kernel_for("auto", "exact", torch.device("cpu"))
 
 TEXT = (
     "Question: Which planet is known as the red planet?\nAnswer: Mars, because of the iron "
@@ -208,7 +216,7 @@ def test_max_tokens_zero_scores_token_prompts_in_a_batch(server, reference):
     for choice, prompt in zip(choices, prompts, strict=True):
         got = torch.tensor(choice["logprobs"]["token_logprobs"][1:])
         want = torch.tensor([expected[p, prompt[p + 1]].item() for p in range(len(prompt) - 1)])
-        assert (got - want).abs().mean() < 0.2  # the default mode's bound (see above)
+        assert (got - want).abs().mean() < DEFAULT_BOUNDS[DEFAULT_KERNEL][0]
     assert body["usage"]["prompt_tokens"] == len(ids) + 20
     assert body["usage"]["completion_tokens"] == 0
 
@@ -274,7 +282,9 @@ def lm_eval_reference():
     return run_lm_eval("hf", hf_args(embedded_checkpoint_dir()), limit=4)
 
 
-@pytest.mark.parametrize(("mode", "tolerance"), [("exact", 1e-4), ("default", 0.5)])
+@pytest.mark.parametrize(
+    ("mode", "tolerance"), [("exact", 1e-4), ("default", DEFAULT_BOUNDS[DEFAULT_KERNEL][1])]
+)
 def test_lm_eval_local_completions_matches_its_hf_model(
     request, lm_eval_reference, mode, tolerance
 ):

@@ -323,11 +323,12 @@ def test_shared_pages_give_the_logits_of_a_pool_per_group(make_config, layouts):
         for name in own:
             assert all(torch.equal(x, y) for x, y in zip(shared[name], own[name], strict=True))
     # And transformers agrees (batched with another prefill, the linear layers round a little
-    # differently from one sequence alone).
+    # differently from one sequence alone): float32 rounding through the layers, about 100 ulps
+    # of logits near 2 (2.0e-5 at most on an AVX512 CPU without AMX, less on one with it).
     hf_kwargs = gemma3.hf_kwargs(config) if config.model_type == "gemma3_text" else {}
     theirs = hf_greedy(reference, first, steps, **hf_kwargs)
     assert [int(x.argmax()) for x in own[0]] == [int(x.argmax()) for x in theirs]
-    assert max((x - y).abs().max().item() for x, y in zip(own[0], theirs, strict=True)) < 2e-5
+    assert max((x - y).abs().max().item() for x, y in zip(own[0], theirs, strict=True)) < 5e-5
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler to build the fused kernels")
