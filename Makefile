@@ -6,7 +6,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install prepare browser lint serve test bench peers clean
+.PHONY: install prepare browser lint serve test test-fast bench peers clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,17 @@ lint: install
 test: lint browser
 	MODEL_NAME=gemma-3-270m $(PY) -m app prepare
 	$(PY) -m pytest -q
+
+# The inner loop: the pure-logic tests (block pool, prefix cache, eviction, scheduler and
+# policies, sampler, tool parsers, the OpenAI mapping, kernels on random weights, Gemma 4 on tiny
+# random configs) and one real server driven by the openai client. `make test` is the whole suite.
+FAST_TESTS := $(addprefix tests/test_,block_pool chat_output compat_chat_template \
+	compat_engine_mapping compat_responses compat_tools cpu_ops eviction fairness \
+	forward_gemma4 kv_manager kv_sizing paged_attention policies radix_cache ray_routing \
+	responses_store sampler scheduler session_evicted_kv session_pins shared_pages \
+	step_profile tenant_retirement tool_parsers gateway_openai)
+test-fast: prepare
+	$(PY) -m pytest -q $(addsuffix .py,$(FAST_TESTS))
 
 bench: install
 	$(PY) -m evals.bench_forward
