@@ -26,6 +26,9 @@ input shape, so the second pays that build on nearly every call.
 
     python -m evals.bench_kernels [--rows 1 16 32] [--mlp-rows 1 16 32 512] [--rounds 20]
         [--prefill-calls 300]
+
+Results go to evals/results/bench_kernels.json on a CPU with AMX tiles and to
+bench_kernels_no_amx.json without.
 """
 
 from __future__ import annotations
@@ -231,8 +234,9 @@ def main() -> None:
         f"{prefill_s['row_bucket']:.2f} s padded to row_bucket, "
         f"{prefill_s['exact rows']:.2f} s at the exact row count"
     )
+    # One file per kind of CPU: the kernels that run differ with and without AMX tiles.
     path = write_results(
-        "bench_kernels",
+        "bench_kernels" if has_amx() else "bench_kernels_no_amx",
         {"rows": args.rows, "rounds": args.rounds, "amx": has_amx(), "int8": int8_library,
          "ms": {k: {part: {str(r): v for r, v in rows.items()} for part, rows in parts.items()}
                 for k, parts in table.items()},

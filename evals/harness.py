@@ -341,10 +341,24 @@ def summarize(
     return summary
 
 
+_KERNEL_FLAGS = {
+    "avx2",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+}
+
+
 def machine() -> dict:
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "cpu": cpu_name(),
+        # The features the kernels and the peers' modes are chosen by.
+        "cpu_features": sorted(cpu_flags() & _KERNEL_FLAGS),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
