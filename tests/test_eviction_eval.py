@@ -70,7 +70,6 @@ def test_evicting_sequences_hold_exactly_their_budget(result):
     for row in rows(result, 0.125):
         assert row["held_blocks"] == {"full": 2, "sliding": 2}, row["variant"]
         assert row["kv_vs_full"] == 2 / 16
-        assert row["decode_step_ms"] > 0
 
 
 @pytest.mark.slow

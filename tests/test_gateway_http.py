@@ -209,10 +209,14 @@ def test_prometheus_metrics(server: RunningServer) -> None:
     assert _value(after, "gemma_serve:num_requests_running") == 0
     assert _value(after, "gemma_serve:num_requests_waiting") == 0
     assert _value(after, "gemma_serve:kv_cache_usage_perc") == 0
-    assert _value(after, "gemma_serve:num_preemptions_total") >= 0
-    served = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"] + 3
+    assert delta("gemma_serve:num_preemptions_total") == 0  # one request, a roomy KV cache
+    computed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+    served = computed + 3
     assert _value(after, "gemma_serve:tenant_tokens_served_total", tenant=tenant) == served
-    assert _value(after, "gemma_serve:tenant_virtual_token_counter", tenant=tenant) > 0
+    # VTC charges w_p = 1 per prompt token computed and w_q = 2 per output token, on top of the
+    # lift a new tenant's counter may get to the last tenant's (engine.sched.policy.VtcPolicy).
+    counter = _value(after, "gemma_serve:tenant_virtual_token_counter", tenant=tenant)
+    assert counter >= computed + 2 * 3
 
 
 def test_prometheus_totals_are_counters(server: RunningServer) -> None:
