@@ -60,13 +60,19 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     MAX_INFLIGHT_PER_TENANT: int | None = None  # accepted, unfinished requests; None: no limit
     MAX_INFLIGHT_PER_SESSION: int | None = None
     MAX_NUM_BATCHED_TOKENS: int = 2048  # per-step token budget (prefill chunks + decodes)
-    SCHEDULING_POLICY: Literal["fcfs", "vtc"] = "vtc"
+    # priority: the most urgent request first (a request's `priority`, lower first), then FCFS.
+    SCHEDULING_POLICY: Literal["fcfs", "vtc", "priority"] = "vtc"
     # VTC's service weights (Sheng et al., OSDI 2024): w_p per prompt token computed, w_q per
     # output token; the per-tenant service ledger (/api/metrics) uses the same weights.
     VTC_INPUT_WEIGHT: Weight = 1.0
     VTC_OUTPUT_WEIGHT: Weight = 2.0
     EVICTION_POLICY: Literal["none", "lru", "sink", "h2o"] = "none"
     SESSION_KV_TOKENS: int = 1024  # a session's KV budget when an eviction policy is on
+    # The eviction policies' parameters: `sink` keeps the blocks of the first this many tokens
+    # (StreamingLLM's attention sinks); `h2o` keeps this share of its budget as the most recent
+    # blocks and fills the rest with the blocks that got the most attention.
+    EVICTION_SINK_TOKENS: Annotated[int, msgspec.Meta(ge=1)] = 4
+    EVICTION_H2O_RECENT_FRACTION: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
     # Sessions (WebSocket sessions, X-Session-Id chats) keep their KV pinned between turns: at
     # most this many tokens per tenant, released after this many idle seconds or when memory
     # is needed; released KV stays reclaimable in the prefix cache.
@@ -137,6 +143,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
             else parse_dtype(self.KV_CACHE_DTYPE),
             enable_prefix_caching=self.PREFIX_CACHING,
             session_kv_quota_tokens=self.SESSION_KV_QUOTA_TOKENS,
+            sink_tokens=self.EVICTION_SINK_TOKENS,
+            h2o_recent_fraction=self.EVICTION_H2O_RECENT_FRACTION,
             faults=parse_fault_rules(self.FAULT_INJECTION),
         )
 

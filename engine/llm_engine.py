@@ -57,6 +57,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # The most KV one tenant's sessions keep pinned between turns; None: no quota.
     session_kv_quota_tokens: int | None = 16384
+    # The `sink` and `h2o` eviction policies' parameters (engine.kv.eviction).
+    sink_tokens: int = 4
+    h2o_recent_fraction: float = 0.5
     faults: tuple[FaultRule, ...] = ()  # FAULT_INJECTION's rules (tests only; engine.faults)
     # A step whose rows are all plain greedy takes its tokens from the LM head's own argmax
     # where the head's kernel has one, so the logits are never written (ModelRunner.forward).
@@ -103,6 +106,8 @@ class LLMEngine:
             num_blocks,
             config.block_size,
             config.enable_prefix_caching,
+            sink_tokens=config.sink_tokens,
+            h2o_recent_fraction=config.h2o_recent_fraction,
             pin_quota_blocks=None if quota is None else quota // config.block_size,
         )
         if config.scheduler.max_num_seqs is None:

@@ -11,7 +11,8 @@ import torch
 from app.settings import load_settings
 from engine.llm_engine import LLMEngine
 from engine.model.kv_cache import auto_kv_cache_dtype
-from engine.sched.policy import TokenCost, VtcPolicy
+from engine.sched import Scheduler
+from engine.sched.policy import PriorityPolicy, TokenCost, VtcPolicy
 from tests.engine_harness import shared_backend
 from tests.sched_driver import make_kv, make_seq, run_step
 
@@ -115,3 +116,38 @@ def test_kv_cache_dtype_sizes_the_pools_in_its_own_bytes(
     assert [2 * g.bytes_per_token for g in half.cache_groups] == [
         g.bytes_per_token for g in full.cache_groups
     ]
+
+
+def test_scheduling_policy_priority_admits_the_most_urgent_first() -> None:
+    """SCHEDULING_POLICY=priority: with room for one sequence, the later request with the lower
+    priority value is admitted before the earlier one."""
+    config = load_settings(NO_ENV_FILE, SCHEDULING_POLICY="priority").engine_config().scheduler
+    sched = Scheduler(replace(config, max_num_seqs=1), make_kv())
+    assert isinstance(sched.policy, PriorityPolicy)
+    early = make_seq(prompt_len=8, max_tokens=1, priority=5)
+    urgent = make_seq(prompt_len=8, max_tokens=1, priority=1)
+    sched.add(early)
+    sched.add(urgent)
+    assert [item.seq for item in run_step(sched).scheduled] == [urgent]
+    assert [item.seq for item in run_step(sched).scheduled] == [early]
+
+
+def test_eviction_parameters_reach_the_engines_policies(embedded_model) -> None:
+    """EVICTION_SINK_TOKENS and EVICTION_H2O_RECENT_FRACTION configure the engine's `sink` and
+    `h2o` policies; out of range they stop the server at start."""
+    settings = load_settings(
+        NO_ENV_FILE, EVICTION_SINK_TOKENS="40", EVICTION_H2O_RECENT_FRACTION="0.25"
+    )
+    config = replace(settings.engine_config(), max_active_kv_tokens=4096)
+    engine = LLMEngine.for_model(embedded_model, shared_backend(embedded_model, "eviction"), config)
+    held = list(range(10))  # logical blocks of 16 tokens
+    # 40 tokens are 3 blocks of sinks; a budget of 5 keeps them and the 2 most recent.
+    assert engine.kv._policies["sink"].select_victims(held, 5, {}) == [3, 4, 5, 6, 7]
+    # A quarter of 8 is 2 recent blocks (8, 9); the 6 best-scored older blocks fill the rest.
+    # Blocks 0, 3 and 6 score 0, the lowest: two must go, and ties keep the earlier block.
+    scores = {block: float(block % 3) for block in held}
+    assert engine.kv._policies["h2o"].select_victims(held, 8, scores) == [3, 6]
+    for name, value in [("EVICTION_SINK_TOKENS", "0"), ("EVICTION_H2O_RECENT_FRACTION", "0"),
+                        ("EVICTION_H2O_RECENT_FRACTION", "1.5")]:  # fmt: skip
+        with pytest.raises(SystemExit, match=f"invalid setting: .*{name}"):
+            load_settings(NO_ENV_FILE, **{name: value})
