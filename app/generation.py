@@ -130,15 +130,14 @@ class GenerationService:
         self.json_style = json_style
         self.max_tool_calls = max_tool_calls
         self.model_id = model_id
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
-        self.vocab_size = engine.engine.backend.vocab_size
+        self.info = info = engine.info
+        self.tokenizer = info.tokenizer
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
         self.eviction_policy = eviction_policy
         self.session_kv_tokens = session_kv_tokens
         # Caps an unset max_tokens; under an eviction policy the session budget bounds KV instead.
-        self.kv_capacity_tokens = (
-            engine.engine.scheduler.kv_capacity_tokens if eviction_policy == "none" else None
-        )
+        self.kv_capacity_tokens = info.kv_capacity_tokens if eviction_policy == "none" else None
         end_of_turn = self.tokenizer.convert_tokens_to_ids(GEMMA_END_OF_TURN)
         unk = self.tokenizer.unk_token_id
         self.chat_stop_ids = (
@@ -225,7 +224,7 @@ class GenerationService:
         sequence follows its own matcher of `grammar`."""
         policy = eviction_policy or self.eviction_policy
         budget = (kv_tokens or self.session_kv_tokens) if policy != "none" else None
-        queue_len = self.engine.engine.scheduler.config.max_queue_len
+        queue_len = self.info.max_queue_len
         if len(prompts) * n > queue_len:  # could never be admitted: retrying (429) cannot help
             raise invalid_value(
                 "n" if n > 1 else "prompt",
@@ -273,7 +272,7 @@ class GenerationService:
     def _too_large_for_kv(self, prompts: list[PreparedPrompt], message: str) -> ApiError:
         """The KV cache can never hold the request. As for the context length, the error names
         the prompt when it alone does not fit (max_tokens 1 would not help), else max_tokens."""
-        capacity = self.engine.engine.scheduler.kv_capacity_tokens
+        capacity = self.info.kv_capacity_tokens
         for prompt in prompts:
             if len(prompt.token_ids) > capacity:
                 return context_length_exceeded(

@@ -22,6 +22,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import structlog
+from transformers import PreTrainedTokenizerBase
 
 from engine.host_memory import HeapTrimmer
 from engine.llm_engine import LLMEngine, StepFailed
@@ -95,6 +96,17 @@ class RequestStream:
 
     def abort(self) -> None:
         self._engine.abort(self.seq.request_id)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a gateway needs to know of the engine it serves from, fixed once it is built."""
+
+    tokenizer: PreTrainedTokenizerBase
+    max_model_len: int  # tokens of context a sequence may reach
+    vocab_size: int
+    kv_capacity_tokens: int  # the most KV one sequence can ever hold (Scheduler.kv_capacity_tokens)
+    max_queue_len: int  # waiting sequences before submissions are refused
 
 
 class AsyncEngine:
@@ -172,6 +184,18 @@ class AsyncEngine:
         if self._engine is None:
             raise RuntimeError("the engine is not started")
         return self._engine
+
+    @property
+    def info(self) -> EngineInfo:
+        """The started engine's tokenizer, context length, vocabulary and limits."""
+        engine = self.engine
+        return EngineInfo(
+            tokenizer=engine.tokenizer,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.backend.vocab_size,
+            kv_capacity_tokens=engine.scheduler.kv_capacity_tokens,
+            max_queue_len=engine.scheduler.config.max_queue_len,
+        )
 
     @property
     def grammars(self) -> GrammarCompiler:
