@@ -443,9 +443,9 @@ class DynamicInt8Linear(nn.Module):
     is divided by its largest magnitude and quantized at the fixed range [-1, 1] (uint8, scale
     1/127, zero point 128): every row gets its own scale and the same quantization alone or in
     any batch, the integers cpu_ops' kernel takes, which runs decode-sized batches where the
-    CPU has VNNI (PackedInt8Rows; it read the embedded model's weights 36% faster than fbgemm
-    at 1-4 rows on an AVX512-VNNI CPU without AMX: `python -m evals.bench_kernels`). The two
-    rescale in another order, so a row's last bits can change past that row count. The row's
+    CPU has VNNI (PackedInt8Rows: faster than fbgemm there, as `python -m evals.bench_kernels`
+    measures on a CPU without AMX). The two rescale in another order, so a row's last bits can
+    change past that row count. The row's
     magnitude multiplies the output back. Weights use 7 bits on CPUs without VNNI, where 8 would
     saturate fbgemm's int16 pair sums (int8_weight_max).
     """
