@@ -445,9 +445,9 @@ class DynamicInt8Linear(nn.Module):
     any batch, the integers cpu_ops' kernel takes, which runs decode-sized batches where the
     CPU has VNNI (PackedInt8Rows: faster than fbgemm there, as `python -m evals.bench_kernels`
     measures on a CPU without AMX). The two rescale in another order, so a row's last bits can
-    change past that row count. The row's
-    magnitude multiplies the output back. Weights use 7 bits on CPUs without VNNI, where 8 would
-    saturate fbgemm's int16 pair sums (int8_weight_max).
+    change past that row count. The row's magnitude multiplies the output back. Weights use 7
+    bits on CPUs without VNNI, where 8 would saturate fbgemm's int16 pair sums
+    (int8_weight_max).
     """
 
     # The activations' uint8 quantization once each row lies in [-1, 1]: 127 levels each side
@@ -473,8 +473,8 @@ class DynamicInt8Linear(nn.Module):
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T; the rows cpu_ops' kernel serves are written into `out` where it fits."""
         shape = (*x.shape[:-1], self.out_features)
-        if self.packed_rows is not None and self.packed_rows.serves(x.numel() // self.in_features):
-            result = self.packed_rows.run(x.reshape(-1, self.in_features).float(), out)
+        if (packed := _packed_for(self.packed_rows, x.numel() // self.in_features)) is not None:
+            result = packed.run(x.reshape(-1, self.in_features).float(), out)
             return result.view(shape).to(x.dtype)
         # Few tensor ops on purpose: at decode sizes each costs about as much as the multiply.
         dtype, rows = x.dtype, x.reshape(-1, self.in_features).float()  # fbgemm is float32
@@ -527,7 +527,7 @@ class OneDNNInt8Linear(nn.Module):
     def prime(self, x: torch.Tensor) -> None:
         """As BFloat16Linear.prime: forward(x) with one slice of each shape run (warm_up);
         nothing for the row counts cpu_ops' kernel serves (it keeps no per-shape state)."""
-        if self.packed_rows is not None and self.packed_rows.serves(x.numel() // self.in_features):
+        if _packed_for(self.packed_rows, x.numel() // self.in_features) is not None:
             return
         self._run(x, list({tuple(part[0].shape): part for part in self.slices}.values()))
 
@@ -538,8 +538,8 @@ class OneDNNInt8Linear(nn.Module):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         real = x.numel() // self.in_features
-        if self.packed_rows is not None and self.packed_rows.serves(real):
-            result = self.packed_rows.run(x.reshape(-1, self.in_features), out)
+        if (kernel := _packed_for(self.packed_rows, real)) is not None:
+            result = kernel.run(x.reshape(-1, self.in_features), out)
             return result.view(*x.shape[:-1], self.out_features).to(x.dtype)
         dtype, rows = x.dtype, padded_rows(x, self.in_features, torch.float32)
         row_max = rows.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
@@ -557,14 +557,20 @@ class OneDNNInt8Linear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features).to(dtype)
 
 
+def _packed_for(packed_rows: PackedInt8Rows | None, rows: int) -> PackedInt8Rows | None:
+    """packed_rows where it exists and serves `rows` rows; None: the module's library runs."""
+    if packed_rows is None or not packed_rows.serves(rows):
+        return None
+    return packed_rows
+
+
 def _packed_argmax(
     packed_rows: PackedInt8Rows | None, x: torch.Tensor, in_features: int
 ) -> torch.Tensor | None:
     """packed_rows' argmax of x's rows where it serves that many, else None."""
     rows = x.reshape(-1, in_features)
-    if packed_rows is None or not packed_rows.serves(rows.shape[0]):
-        return None
-    return packed_rows.argmax(rows)
+    packed = _packed_for(packed_rows, rows.shape[0])
+    return None if packed is None else packed.argmax(rows)
 
 
 _ONEDNN_KERNELS = (PackedLinear, BFloat16Linear, BFloat16GatedMLP, OneDNNInt8Linear)
