@@ -22,8 +22,9 @@ from transformers import PreTrainedTokenizerBase
 from engine.backends.base import InferenceBackend
 from engine.detokenizer import IncrementalDetokenizer, check_stop
 from engine.faults import FaultInjector, FaultRule
+from engine.kv.layout import SharedPages
 from engine.kv.manager import KVCacheManager
-from engine.kv.sizing import SharedPages, blocks_per_group, can_share_pages, shared_pages
+from engine.kv.sizing import blocks_per_group, can_share_pages, shared_pages
 from engine.model.kv_cache import auto_kv_cache_dtype, cache_group_specs
 from engine.model.loader import LoadedModel
 from engine.request import FinishReason, Sequence, StepOutput, TokenLogprob

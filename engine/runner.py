@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.backends.base import InferenceBackend
+from engine.kv.layout import SharedPages
 from engine.kv.manager import BlockCopy, KVCacheManager
-from engine.kv.sizing import SharedPages
 from engine.model import cpu_ops
 from engine.model.batch import ForwardBatch, GroupAttention, slots_of_blocks
 from engine.model.kv_cache import PagedKVCache, cache_group_specs

@@ -35,8 +35,9 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 from engine.backends.base import InferenceBackend
 from engine.backends.custom import CustomBackend
+from engine.kv.layout import SharedPages
 from engine.kv.manager import KVCacheManager
-from engine.kv.sizing import SharedPages, blocks_per_group, shared_pages
+from engine.kv.sizing import blocks_per_group, shared_pages
 from engine.llm_engine import EngineConfig
 from engine.model.kv_cache import cache_group_specs
 from engine.offline import LLM

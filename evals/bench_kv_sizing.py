@@ -26,9 +26,9 @@ import torch
 from tqdm import tqdm
 from transformers import Gemma4TextConfig
 
-from engine.backends.base import CacheGroupSpec
+from engine.kv.layout import CacheGroupSpec, SharedPages
 from engine.kv.manager import KVCacheManager
-from engine.kv.sizing import SharedPages, blocks_per_group, even_split, shared_pages
+from engine.kv.sizing import blocks_per_group, even_split, shared_pages
 from engine.model.architecture import GemmaTextConfig, architecture_from_config
 from engine.model.kv_cache import cache_group_specs
 from engine.model.loader import load_model

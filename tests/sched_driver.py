@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 
-from engine.backends.base import CacheGroupSpec
+from engine.kv.layout import CacheGroupSpec
 from engine.kv.manager import KVCacheManager
 from engine.request import FinishReason, Sequence
 from engine.sampling import SamplingParams

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from engine.backends.base import CacheGroupSpec
 from engine.kv.eviction import H2OEviction, LRUEviction, NoEviction, SinkEviction, make_policy
+from engine.kv.layout import CacheGroupSpec
 from engine.kv.manager import KVCacheManager
 from tests.kv_invariants import (
     assert_all_released,

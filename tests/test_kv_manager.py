@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from engine.backends.base import CacheGroupSpec
+from engine.kv.layout import CacheGroupSpec
 from engine.kv.manager import KVCacheManager
 from tests.kv_invariants import (
     assert_all_released,

@@ -3,7 +3,7 @@ KV manager whose groups have pools of different sizes."""
 
 from __future__ import annotations
 
-from engine.backends.base import CacheGroupSpec
+from engine.kv.layout import CacheGroupSpec
 from engine.kv.manager import KVCacheManager
 from engine.kv.sizing import blocks_per_group, even_split, sliding_blocks_needed
 from tests.kv_invariants import assert_all_released, check_manager, make_seq, step

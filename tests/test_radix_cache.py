@@ -1,5 +1,5 @@
-from engine.backends.base import CacheGroupSpec
 from engine.kv.block_pool import BlockPool
+from engine.kv.layout import CacheGroupSpec
 from engine.kv.manager import BlockCopy, KVCacheManager
 from engine.kv.prefix_cache import PrefixCache
 from tests.kv_invariants import (

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from math import ceil
 
-from engine.backends.base import CacheGroupSpec
+from engine.kv.layout import CacheGroupSpec
 from engine.kv.manager import KVCacheManager
 from engine.request import Sequence
 from engine.sampling import SamplingParams

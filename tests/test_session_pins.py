@@ -4,7 +4,7 @@ pressure, with exact block counts."""
 
 from __future__ import annotations
 
-from engine.backends.base import CacheGroupSpec
+from engine.kv.layout import CacheGroupSpec
 from engine.kv.manager import KVCacheManager
 from engine.request import FinishReason, Sequence
 from engine.sampling import SamplingParams

@@ -1,4 +1,4 @@
-"""Cache groups sharing one pool of pages (engine.kv.sizing.SharedPages): the page and block
+"""Cache groups sharing one pool of pages (engine.kv.layout.SharedPages): the page and block
 bookkeeping as pure logic with exact values, the KV manager's admission counted in pages, and
 the model runner reading the same K/V from shared pages as from a pool per group (logits
 equal bit for bit, and equal to transformers')."""
@@ -8,17 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.backends.base import CacheGroupSpec
 from engine.backends.custom import CustomBackend
 from engine.kv.block_pool import BlockPool, NoFreeBlocksError, PagePool
+from engine.kv.layout import CacheGroupSpec, LanePlace, SharedPages
 from engine.kv.manager import BlockCopy, KVCacheManager
-from engine.kv.sizing import (
-    LanePlace,
-    SharedPages,
-    can_share_pages,
-    lanes_per_page,
-    shared_pages,
-)
+from engine.kv.sizing import can_share_pages, lanes_per_page, shared_pages
 from engine.model import cpu_ops
 from engine.runner import ModelRunner
 from engine.sched.output import ScheduledSeq

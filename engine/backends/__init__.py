@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.backends.base import CacheGroupSpec, InferenceBackend
+from engine.backends.base import InferenceBackend
 
 if TYPE_CHECKING:
     from engine.backends.custom import CustomBackend
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 BACKEND_KINDS = ("custom", "hf")
 
-__all__ = ["BACKEND_KINDS", "CacheGroupSpec", "InferenceBackend", "create_backend"]
+__all__ = ["BACKEND_KINDS", "InferenceBackend", "create_backend"]
 
 
 def create_backend(

@@ -9,7 +9,6 @@ logits of any of them (the runner makes a prompt's logits a slice at a time).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,18 +16,6 @@ import torch
 if TYPE_CHECKING:
     from engine.model.architecture import GemmaArchitecture
     from engine.model.paged_attention import PagedAttentionStep
-
-
-@dataclass(frozen=True)
-class CacheGroupSpec:
-    """Layers that share one block table: all full-attention layers, or all sliding ones."""
-
-    name: str  # "full" or "sliding"
-    layer_ids: tuple[int, ...]  # layers that store K/V in this group (KV-shared layers excluded)
-    sliding_window: int | None  # None for full attention
-    bytes_per_token: int  # K and V of one token across this group's layers, at the cache dtype
-    # (num_kv_heads, head_dim) when every layer of the group has it; None when they differ.
-    layer_shape: tuple[int, int] | None = None
 
 
 class InferenceBackend(ABC):

@@ -1,6 +1,6 @@
 """Refcounted KV blocks carved from pages of memory, with LRU reuse of cached blocks.
 
-A page is `block_size` token slots of a few lanes of K/V (engine.kv.sizing.SharedPages). A block
+A page is `block_size` token slots of a few lanes of K/V (engine.kv.layout.SharedPages). A block
 of a cache group takes `pages_per_block` pages: one when the group has a page space of its own,
 more when groups share one (Gemma 3's 15 sliding layers take 5 pages of 3 layers, its 3
 full-attention layers one). Sharing lets the groups trade memory as the workload needs,

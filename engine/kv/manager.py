@@ -42,12 +42,12 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from engine.backends.base import CacheGroupSpec
 from engine.kv.block_pool import Block, BlockPool, PagePool
 from engine.kv.eviction import EVICTION_POLICIES, EvictionPolicy, make_policy
+from engine.kv.layout import CacheGroupSpec, SharedPages
 from engine.kv.prefix_cache import PrefixCache, RadixNode
 from engine.kv.session_pins import SessionPins
-from engine.kv.sizing import SharedPages, window_blocks
+from engine.kv.sizing import window_blocks
 from engine.request import Sequence
 
 

@@ -1,12 +1,12 @@
 """The physical paged KV cache: preallocated key and value pools that the storing layers write.
 
 A pool has `pages * block_size` slots; slot = page * block_size + offset. Two layouts
-(engine.kv.sizing):
+(engine.kv.layout):
 - a pool per layer, with each cache group ("full", "sliding") its own number of blocks of one
   page: the engine's block tables address it directly, every layer of a group by the same slots;
 - SharedPages: `lanes` tensors of one shared page space, each page `block_size` tokens of the
-  widest layer's K (or V). Every storing layer views one lane (sizing.LanePlace): a layer k
-  times narrower views it as k times as many pages of its own shape, taking part `part` of
+  widest layer's K (or V). Every storing layer views one lane (engine.kv.layout.LanePlace): a
+  layer k times narrower views it as k times as many pages of its own shape, taking part `part` of
   each, so a layer's pool stays `[num_slots, num_kv_heads, head_dim]` and slot-contiguous.
   Several layers (of one group or of several) share a lane on different pages or parts.
   Block tables name a block by its first page; `page_maps` gives a multi-page block's others.
@@ -19,9 +19,8 @@ from collections.abc import Mapping
 
 import torch
 
-from engine.backends.base import CacheGroupSpec
 from engine.kv.block_pool import Block
-from engine.kv.sizing import LanePlace, SharedPages
+from engine.kv.layout import CacheGroupSpec, LanePlace, SharedPages
 from engine.model import huge_pages
 from engine.model.architecture import GemmaArchitecture, LayerSpec
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from engine.kv.sizing import LanePlace
+from engine.kv.layout import LanePlace
 from engine.model import cpu_ops
 from engine.model.batch import ForwardBatch, GroupAttention, slots_of_blocks
 from engine.model.kv_cache import PagedKVCache
