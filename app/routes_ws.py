@@ -7,7 +7,7 @@ completions body, validated exactly as over HTTP; streaming is implied), `cancel
 once; sends are serialized. A session keeps a chat's history on the server: each turn sends
 only its new messages, and since the next prompt extends the last prompt + reply, the prefix
 cache serves everything but the new text. Closing the socket aborts its generations, which
-frees their KV blocks. The protocol is documented in the README ("WebSocket API").
+frees their KV blocks. The protocol is documented in docs/websocket.md.
 """
 
 from __future__ import annotations

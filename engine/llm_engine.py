@@ -53,7 +53,7 @@ class EngineConfig:
     # free memory. Sliding-window layers get only what their window uses, full attention the rest.
     max_active_kv_tokens: int | None = None
     # The K/V pools' dtype (KV_CACHE_DTYPE); None: the model's. bfloat16 under float32 weights
-    # halves the bytes a token's K/V takes and attention reads (README, "KV cache dtype").
+    # halves the bytes a token's K/V takes and attention reads (docs/kv-cache.md, "KV cache dtype").
     kv_cache_dtype: torch.dtype | None = None
     enable_prefix_caching: bool = True
     # The most KV one tenant's sessions keep pinned between turns; None: no quota.

@@ -319,7 +319,7 @@ def summarize_phase(records: list[Record], samples: list[Sample], names: list[st
 
 
 def markdown_table(summary: dict) -> str:
-    """The README's table: one row per policy."""
+    """The table in docs/fairness.md: one row per policy."""
     solo = summary["solo_light_ttft_p95_s"]
     bound = summary["bound"]["bound_2U"]
     lines = [

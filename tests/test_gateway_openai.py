@@ -190,7 +190,7 @@ def test_chat_n2_seeded(client: openai.OpenAI) -> None:
         extra_body=FIXED_LENGTH,
     )  # fmt: skip
     # The first time a prompt is seen, its last token is computed inside the prefill, and the
-    # approximate kernels' last bits depend on the batch's shape (README, weight modes): compare
+    # approximate kernels' last bits depend on the batch's shape (docs/kernels.md): compare
     # two requests that both find the prompt in the prefix cache, so both run the same steps.
     client.chat.completions.create(**args)
     chat = client.chat.completions.create(**args)

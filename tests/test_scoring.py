@@ -130,7 +130,7 @@ def test_approximate_kernels_prompt_logprobs_are_bounded(embedded_model, referen
     (out,) = _run(engine, seq)[seq.seq_id]
     got = torch.tensor([e.logprob for e in out.prompt_logprobs])
     want = torch.tensor([expected[p, ids[p + 1]].item() for p in range(len(ids) - 1)])
-    # Measured on this model (README, "Scoring"): mean 0.03 (bf16) and 0.09 (int8) nats.
+    # Measured on this model (docs/scoring.md): mean 0.03 (bf16) and 0.09 (int8) nats.
     assert (got - want).abs().mean() < 0.2
     assert (got - want).abs().max() < 1.5
 

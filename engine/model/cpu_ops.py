@@ -3,7 +3,7 @@
 A Gemma RMSNorm is eight eager ops, and a decoder layer runs six norms and two residual adds:
 at decode sizes they cost more in dispatch and allocation than in arithmetic, and decode
 attention copied every sequence's K/V out of the paged pools first. `evals/bench_step.py`
-measures a decode step with and without these kernels (README, "Measured performance"). They
+measures a decode step with and without these kernels (docs/kernels.md, "Fused CPU kernels"). They
 are built on first use with the machine's C++ compiler (torch.utils.cpp_extension, ninja) into
 the model cache, for this CPU's instruction set, and loaded as `torch.ops.gemma_cpu`. Where no
 compiler is found `available()` is false and the model runs the same maths as eager ops; the

@@ -270,8 +270,8 @@ class BFloat16Linear(nn.Module):
     leaves it bfloat16 with `bf16_out`, where what reads it takes bfloat16). A single row runs
     cpu_ops' packed kernel instead (PACKED_BF16_MAX_ROWS), with the same roundings.
 
-    oneDNN accumulates in float32 and runs on AMX tiles where the CPU has them (README,
-    "Measured performance", has its speed and quality against the other modes). Unlike
+    oneDNN accumulates in float32 and runs on AMX tiles where the CPU has them (docs/kernels.md,
+    "Linear kernels per call" and "Quality of each mode", has its speed and quality). Unlike
     DynamicInt8Linear it is not batch-invariant: oneDNN picks its blocking by row count, so a
     row's last bits can change with the batch it is in, as in float32.
     """
@@ -332,7 +332,7 @@ class BFloat16GatedMLP(nn.Module):
     activations stay bfloat16 from the input to the output, instead of a float32 round trip
     around the gelu and the product. Rounding differs from BFloat16Linear's (the gelu sees the
     gate's float32 sums, not their bfloat16 rounding); tests/test_linear_kernels.py bounds it,
-    and README "Measured performance" has the speed.
+    and docs/kernels.md, "Linear kernels per call", has the speed.
     """
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
@@ -499,8 +499,8 @@ class OneDNNInt8Linear(nn.Module):
     are summed exactly in int32 (AMX tiles where the CPU has them) and rescaled to float32, then
     multiplied by the row's magnitude; oneDNN picks its kernel by row count, so that rescale can
     round differently in the last bit with the batch size. Decode-sized batches run cpu_ops'
-    kernel on the same integers (PackedInt8Rows). On an AMX CPU it ran the LM head at 16 and 32
-    rows in about half fbgemm's time (evals/bench_kernels.py, README "Measured performance").
+    kernel on the same integers (PackedInt8Rows); `python -m evals.bench_kernels` times both
+    (docs/kernels.md, "Linear kernels per call").
     """
 
     def __init__(self, weight: torch.Tensor) -> None:

@@ -30,10 +30,9 @@ group's layers, 3 of 18 on Gemma 3 270M (every sixth layer), the only layers tha
 a sequence holds. `mass_groups=("full", "sliding")` also counts the sliding-window layers: each
 sliding key's mass goes to the full-group key at the same position (a sliding layer only sees
 its last `window` positions). `python -m evals.eviction` measures both on the embedded model
-(2 x 2,048 tokens): counting sliding layers lowered h2o's perplexity from x1.224 to x1.176 of
-the full cache at a 12.5% budget, x1.081 to x1.059 at 25%, and changed nothing at 50% (README,
-"KV eviction"). The engine default stays full-only for now: switching it is this constant, and
-tests/test_paged_attention.py's mass test pins the full-only sum.
+(docs/kv-cache.md, "KV eviction", has the perplexity of each). The engine default stays
+full-only: switching it is this constant, and tests/test_paged_attention.py's mass test pins
+the full-only sum.
 """
 
 from __future__ import annotations
