@@ -221,15 +221,13 @@ class LLMEngine:
         profile, faults = self.profile, self.faults  # faults: None unless FAULT_INJECTION is set
         sampling = [item.seq for item in plan.scheduled if item.samples]
         with profile.phase("batch"):
-            batch = self.runner.prepare(plan.scheduled, self.kv)
+            batch = self.runner.prepare(plan)
             rows = [SamplingRow.from_sequence(seq) for seq in sampling]
             greedy = self.config.greedy_head and all(takes_argmax(row) for row in rows)
         with profile.phase("forward"):
             if faults is not None:
                 faults.check("forward", plan.scheduled)
             result = self.runner.forward(batch, greedy=greedy)
-            if result.attention_mass is not None:
-                self.runner.record_attention(plan.scheduled, batch, result.attention_mass, self.kv)
         if result.prompt_logprobs is not None:
             for item, scored in zip(plan.scheduled, result.prompt_logprobs, strict=True):
                 item.seq.prompt_logprobs.extend(scored)
@@ -254,7 +252,7 @@ class LLMEngine:
         if faults is not None:
             faults.check("step", plan.scheduled)
         with profile.phase("schedule"):
-            self.scheduler.update(plan, finished)
+            self.scheduler.update(plan, finished, result.attention_mass)
         return outputs
 
     def _emit(

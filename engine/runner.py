@@ -1,11 +1,12 @@
-"""The model runner: one scheduled step in, logits out.
+"""The model runner: one step's plan in, logits out.
 
-Everything between the scheduler and the model's layers lives here: it owns the physical paged
-KV cache, applies the KV manager's copy-on-write copies, flattens the scheduled chunks into one
-ForwardBatch, builds the per-step attention state every layer shares (PagedAttentionStep),
-moves the inputs to the device, runs the backend's model, reduces the logits of prompt
-positions that score their next token (engine.prompt_logprobs), and hands the attention mass
-an eviction policy asked for back to the KV manager.
+Everything between the scheduler's plan and the model's layers lives here: it owns the
+physical paged KV cache, applies the plan's block copies and page mappings, flattens the
+scheduled chunks into one ForwardBatch (build_forward_batch, a pure function of the plan),
+builds the per-step attention state every layer shares (PagedAttentionStep), moves the inputs
+to the device, runs the backend's model, reduces the logits of prompt positions that score
+their next token (engine.prompt_logprobs), and reports the attention mass an eviction policy
+asked for. It never sees the KV manager: the plan carries what it needs.
 """
 
 from __future__ import annotations
@@ -16,19 +17,19 @@ from dataclasses import dataclass
 import torch
 
 from engine.backends.base import InferenceBackend
-from engine.kv.layout import SharedPages
-from engine.kv.manager import BlockCopy, KVCacheManager
+from engine.kv.layout import SharedPages, primary_group
+from engine.kv.manager import BlockCopy, KeyMass
 from engine.model import cpu_ops
 from engine.model.batch import ForwardBatch, GroupAttention, slots_of_blocks
 from engine.model.kv_cache import PagedKVCache, cache_group_specs
 from engine.model.paged_attention import PagedAttentionStep
 from engine.prompt_logprobs import positions_to_score, reduce_prompt_logprobs
 from engine.request import TokenLogprob
-from engine.sched.output import ScheduledSeq
+from engine.sched.output import ScheduledSeq, SchedulerOutput
 
 
 @dataclass
-class ForwardOutput:
+class RunnerOutput:
     # [N, vocab] float32, rows in the order of batch.logits_indices; None where token_ids
     # holds the step's tokens instead.
     logits: torch.Tensor | None
@@ -39,9 +40,9 @@ class ForwardOutput:
     # engine.prompt_logprobs); None when no sequence wanted any.
     prompt_logprobs: list[list[TokenLogprob]] | None = None
     # With batch.collect_attention: per sequence, the attention mass each of its keys in the
-    # "full" group received in this step, summed over layers and heads ([K_i] float32, in the
-    # order of that group's key_slots row, padding dropped).
-    attention_mass: list[torch.Tensor] | None = None
+    # primary ("full") group received in this step, summed over layers and heads, with those
+    # keys' slots (padding dropped).
+    attention_mass: list[KeyMass] | None = None
 
 
 class ModelRunner:
@@ -60,6 +61,7 @@ class ModelRunner:
         self.device, self.dtype = backend.device, backend.dtype
         self.kv_dtype = kv_dtype or backend.dtype  # the pools' dtype; None: the model's
         self.cache_groups = cache_group_specs(backend.arch, self.kv_dtype)
+        self.group_names = [group.name for group in self.cache_groups]
         self.windows = {group.name: group.sliding_window for group in self.cache_groups}
         self.kv_cache = PagedKVCache(
             backend.arch, num_blocks, block_size, self.device, self.kv_dtype
@@ -77,13 +79,13 @@ class ModelRunner:
         # The sampled rows' logits, kept between steps (see linear_kernels.slice_output).
         self._logits_buffer: torch.Tensor | None = None
 
-    def prepare(self, scheduled: list[ScheduledSeq], kv: KVCacheManager) -> ForwardBatch:
-        """Map the pages of newly allocated multi-page blocks and apply the KV manager's pending
-        block copies (before any K/V of this step is written), then flatten the scheduled
-        chunks into one batch."""
-        self.kv_cache.assign_pages(kv.take_page_assignments())
-        self.copy_blocks(kv.take_block_copies())
-        return build_forward_batch(scheduled, kv)
+    def prepare(self, plan: SchedulerOutput) -> ForwardBatch:
+        """Map the pages of the plan's newly allocated multi-page blocks and apply its block
+        copies (before any K/V of this step is written), then flatten its chunks into one
+        batch."""
+        self.kv_cache.assign_pages(plan.page_assignments)
+        self.copy_blocks(plan.block_copies)
+        return build_forward_batch(plan.scheduled, self.group_names, self.kv_cache.block_size)
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         """Copy-on-write: duplicate each (group, src, dst) block, in list order."""
@@ -91,7 +93,7 @@ class ModelRunner:
             self.kv_cache.copy_block(copy.group, *copy.pages)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, greedy: bool = False) -> ForwardOutput:
+    def forward(self, batch: ForwardBatch, greedy: bool = False) -> RunnerOutput:
         """Write the batch's new K/V into the cache, attend, return the wanted logits; with
         `greedy` (every sampling row takes the argmax of its logits as they are), the rows'
         argmax instead where the backend's head computes it without the logits."""
@@ -124,11 +126,12 @@ class ModelRunner:
                 self.backend.logits, hidden[num_sampled:], batch.score_targets, batch.score_top
             )
             prompt_logprobs = _split(scored, batch.score_counts)
-        return ForwardOutput(
+        masses = step.attention_mass()
+        return RunnerOutput(
             logits=logits,
             token_ids=None if token_ids is None else token_ids.tolist(),
             prompt_logprobs=prompt_logprobs,
-            attention_mass=step.attention_mass(),
+            attention_mass=None if masses is None else keyed_masses(batch, masses),
         )
 
     def release_buffers(self) -> None:
@@ -146,31 +149,30 @@ class ModelRunner:
             self._logits_buffer = torch.empty((rows, self.backend.vocab_size))
         return self._logits_buffer[:rows]
 
-    @staticmethod
-    def record_attention(
-        scheduled: list[ScheduledSeq],
-        batch: ForwardBatch,
-        masses: list[torch.Tensor],
-        kv: KVCacheManager,
-    ) -> None:
-        """Give each sequence whose eviction policy scores keys (h2o) the mass they received."""
-        group = batch.groups[kv.primary]
-        for row, (item, mass) in enumerate(zip(scheduled, masses, strict=True)):
-            if kv.wants_attention(item.seq):
-                kv.record_attention(item.seq, mass, group.key_slots[row][group.key_valid[row]])
+
+def keyed_masses(batch: ForwardBatch, masses: list[torch.Tensor]) -> list[KeyMass]:
+    """Each sequence's attention mass (PagedAttentionStep.attention_mass) with the slots of
+    the primary group's keys it belongs to."""
+    group = batch.groups[primary_group(batch.groups)]
+    return [
+        KeyMass(group.key_slots[row][group.key_valid[row]], mass) for row, mass in enumerate(masses)
+    ]
 
 
-def build_forward_batch(scheduled: list[ScheduledSeq], kv: KVCacheManager) -> ForwardBatch:
-    """Flatten the scheduled chunks into one batch; logits are wanted only for sequences whose
-    chunk reaches their last token (those sample this step). Built on the CPU; the runner moves
-    what the model needs to its device."""
+def build_forward_batch(
+    scheduled: list[ScheduledSeq], groups: list[str], block_size: int
+) -> ForwardBatch:
+    """Flatten the scheduled chunks into one batch, addressing the cache `groups` (blocks of
+    `block_size` tokens); logits are wanted only for sequences whose chunk reaches their last
+    token (those sample this step). Built on the CPU; the runner moves what the model needs
+    to its device."""
     input_ids: list[int] = []
     positions: list[int] = []
     query_start = [0]
     logits_indices: list[int] = []
     ends: list[int] = []  # per sequence: its tokens after this step
-    slot_rows: dict[str, list[int]] = {group: [] for group in kv.pools}
-    held_blocks: dict[str, list[list[tuple[int, int]]]] = {group: [] for group in kv.pools}
+    slot_rows: dict[str, list[int]] = {group: [] for group in groups}
+    held_blocks: dict[str, list[list[tuple[int, int]]]] = {group: [] for group in groups}
     collect_attention = False
     score_rows: list[int] = []
     score_targets: list[int] = []
@@ -189,18 +191,17 @@ def build_forward_batch(scheduled: list[ScheduledSeq], kv: KVCacheManager) -> Fo
         score_targets.extend(seq.prompt_token_ids[p + 1] for p in scored)
         score_top.extend([seq.sampling.prompt_logprobs or 0] * len(scored))
         score_counts.append(len(scored))
-        for group, slots in kv.slots_for_new_tokens(seq, count).items():
-            slot_rows[group].extend(slots)
-        for group, blocks in kv.layout(seq).items():
-            held_blocks[group].append(blocks)
-        collect_attention = collect_attention or kv.wants_attention(seq)
+        for group in groups:
+            slot_rows[group].extend(item.kv.slots[group])
+            held_blocks[group].append(item.kv.blocks[group])
+        collect_attention = collect_attention or item.kv.wants_attention
     return ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long),
         positions=torch.tensor(positions, dtype=torch.long),
         query_start=query_start,
         groups={
-            group: _group_attention(slot_rows[group], held_blocks[group], ends, kv.block_size)
-            for group in kv.pools
+            group: _group_attention(slot_rows[group], held_blocks[group], ends, block_size)
+            for group in groups
         },
         logits_indices=torch.tensor(logits_indices, dtype=torch.long),
         collect_attention=collect_attention,

@@ -44,7 +44,7 @@ from engine.offline import LLM
 from engine.request import Sequence
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
-from engine.sched.output import ScheduledSeq
+from engine.sched.output import plan_of
 from evals.harness import write_results
 from evals.plots import bar_chart
 
@@ -85,22 +85,22 @@ class Layout:
             self.kv.match_prefix(seq)
             while seq.num_computed_tokens < seq.num_prompt_tokens:
                 count = min(CHUNK, seq.num_prompt_tokens - seq.num_computed_tokens)
-                self._forward([ScheduledSeq(seq, seq.num_computed_tokens, count, True)])
+                self._forward([(seq, count)])
 
-    def _forward(self, scheduled: list[ScheduledSeq]) -> None:
-        for item in scheduled:
-            assert self.kv.allocate(item.seq, item.num_new_tokens), "the budget is too small"
-        out = self.runner.forward(self.runner.prepare(scheduled, self.kv))
+    def _forward(self, chunks: list[tuple[Sequence, int]]) -> None:
+        for seq, count in chunks:
+            assert self.kv.allocate(seq, count), "the budget is too small"
+        out = self.runner.forward(self.runner.prepare(plan_of(self.kv, chunks)))
         tokens = out.logits.argmax(dim=-1).tolist()
-        for item, token in zip(scheduled, tokens, strict=True):
-            item.seq.num_computed_tokens += item.num_new_tokens
-            if item.seq.num_computed_tokens == item.seq.num_tokens:
-                item.seq.output_token_ids.append(token)
-            self.kv.commit(item.seq)
+        for (seq, count), token in zip(chunks, tokens, strict=True):
+            seq.num_computed_tokens += count
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.output_token_ids.append(token)
+            self.kv.commit(seq)
 
     def decode_step(self) -> float:
         started = time.perf_counter()
-        self._forward([ScheduledSeq(s, s.num_computed_tokens, 1, True) for s in self.seqs])
+        self._forward([(seq, 1) for seq in self.seqs])
         return time.perf_counter() - started
 
 

@@ -53,9 +53,9 @@ from engine.model.batch import ForwardBatch
 from engine.model.loader import LoadedModel, load_model
 from engine.model.paged_attention import H2O_MASS_GROUPS, PagedAttentionStep
 from engine.request import Sequence
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, keyed_masses
 from engine.sampling import SamplingParams
-from engine.sched.output import ScheduledSeq
+from engine.sched.output import plan_of
 from evals.harness import write_results
 from evals.plots import line_panels
 
@@ -115,23 +115,24 @@ class TeacherForcedDriver:
     def step(self, tracks: SequenceOf[Track]) -> torch.Tensor:
         """Compute the next position of each track's sequence (after allocating its slot), then
         advance, record attention mass for h2o and let the manager evict. Logits [len, vocab]."""
-        scheduled = [ScheduledSeq(t.seq, t.seq.num_computed_tokens, 1, True) for t in tracks]
-        for item in scheduled:
-            if not self.kv.allocate(item.seq, 1):
+        chunks = [(t.seq, 1) for t in tracks]
+        for seq, _ in chunks:
+            if not self.kv.allocate(seq, 1):
                 raise RuntimeError("the KV cache is too small for the configurations")
-        batch = self.runner.prepare(scheduled, self.kv)
+        plan = plan_of(self.kv, chunks)
+        batch = self.runner.prepare(plan)
         extra = {t.variant.mass_groups for t in tracks if self.kv.wants_attention(t.seq)}
         extra.discard(H2O_MASS_GROUPS)
         if not extra:  # exactly the server's forward
             out = self.runner.forward(batch)
             logits, masses = out.logits, out.attention_mass
         else:
-            logits, masses = self._forward_with_mass(batch, tracks)
-        for item in scheduled:
+            logits, raw = self._forward_with_mass(batch, tracks)
+            masses = None if raw is None else keyed_masses(batch, raw)
+        for row, item in enumerate(plan.scheduled):
+            if masses is not None and item.kv.wants_attention:
+                self.kv.record_attention(item.seq, masses[row].mass, masses[row].key_slots)
             item.seq.num_computed_tokens += 1
-        if masses is not None:
-            ModelRunner.record_attention(scheduled, batch, masses, self.kv)
-        for item in scheduled:
             self.kv.commit(item.seq)
         return logits
 

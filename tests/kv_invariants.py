@@ -24,8 +24,8 @@ def attended_keys(
 ) -> dict[str, tuple[list[int], list[int]]]:
     """Per group, (slots, positions) of the keys seq attends to in a step computing num_new
     more tokens (allocated already), as the model runner addresses them."""
-    scheduled = ScheduledSeq(seq, seq.num_computed_tokens, num_new, True)
-    groups = build_forward_batch([scheduled], kv).groups
+    scheduled = ScheduledSeq(seq, seq.num_computed_tokens, num_new, True, kv.address(seq, num_new))
+    groups = build_forward_batch([scheduled], list(kv.pools), kv.block_size).groups
     return {
         name: (g.key_slots[0][g.key_valid[0]].tolist(), g.key_positions[0][g.key_valid[0]].tolist())
         for name, g in groups.items()

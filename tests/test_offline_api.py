@@ -11,7 +11,7 @@ from engine.model.loader import ModelLoadError
 from engine.offline import LLM
 from engine.request import FinishReason, Sequence
 from engine.sampling import InvalidRequestError, SamplingParams
-from engine.sched.output import ScheduledSeq
+from engine.sched.output import plan_of
 from engine.sched.scheduler import SchedulerConfig
 from tests.engine_harness import one_torch_thread  # noqa: F401 (a fixture)
 from tests.kv_invariants import assert_all_released
@@ -145,7 +145,7 @@ def _prefill_logits(llm: LLM, token_ids: list[int], first_row: int) -> torch.Ten
     assert kv.allocate(seq, len(token_ids))
     try:
         runner = llm.engine.runner
-        batch = runner.prepare([ScheduledSeq(seq, 0, len(token_ids), True)], kv)
+        batch = runner.prepare(plan_of(kv, [(seq, len(token_ids))]))
         batch.logits_indices = torch.arange(first_row, len(token_ids))
         return runner.forward(batch).logits
     finally:

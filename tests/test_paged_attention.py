@@ -313,7 +313,7 @@ def test_attention_mass_from_the_backend_counts_every_full_layer_and_head():
     driver = PagedDriver(backend, shuffle_blocks=1)
     driver.step({0: [1, 2, 3, 4, 5], 1: [6, 7]})
     _, out = driver.step({0: [8], 1: [9, 10, 11]}, collect_attention=True)
-    mass0, mass1 = out.attention_mass
+    mass0, mass1 = (keyed.mass for keyed in out.attention_mass)
     assert mass0.shape == (6,) and mass1.shape == (5,)
     full_layers, heads = 2, 2
     torch.testing.assert_close(mass0.sum(), torch.tensor(full_layers * heads * 1.0))

@@ -15,7 +15,7 @@ from engine.kv.manager import BlockCopy, KVCacheManager
 from engine.kv.sizing import can_share_pages, lanes_per_page, shared_pages
 from engine.model import cpu_ops
 from engine.runner import ModelRunner
-from engine.sched.output import ScheduledSeq
+from engine.sched.output import plan_of
 from tests import test_forward_gemma3 as gemma3
 from tests import test_forward_gemma4 as gemma4
 from tests.forward_contract import prompt
@@ -266,12 +266,11 @@ def greedy_through_the_manager(
                 continue
             count = seq.num_tokens - seq.num_computed_tokens
             assert kv.allocate(seq, count)
-            scheduled.append((name, ScheduledSeq(seq, seq.num_computed_tokens, count, True)))
+            scheduled.append((name, seq, count))
         if not scheduled:
             continue
-        out = runner.forward(runner.prepare([item for _, item in scheduled], kv))
-        for row, (name, item) in enumerate(scheduled):
-            seq = item.seq
+        out = runner.forward(runner.prepare(plan_of(kv, [(s, n) for _, s, n in scheduled])))
+        for row, (name, seq, _) in enumerate(scheduled):
             seq.num_computed_tokens = seq.num_tokens
             history.setdefault(name, []).append(out.logits[row])
             seq.output_token_ids.append(int(out.logits[row].argmax()))

@@ -6,7 +6,15 @@ groups share one pool of pages (SharedPages), where each storing layer's K/V sit
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+
+def primary_group(names: Iterable[str]) -> str:
+    """The group every prefix-cache node and h2o score is keyed by: "full" when the model has
+    full-attention layers, else the first group."""
+    names = list(names)
+    return "full" if "full" in names else names[0]
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,13 @@
 """The KV memory manager: per-sequence block tables over refcounted block pools, prefix
 sharing through the prefix cache, sliding-window freeing and per-session eviction.
 
-Lifecycle of a sequence, as driven by the scheduler and the engine:
+Lifecycle of a sequence, as the scheduler drives it:
 
     cached = kv.match_prefix(seq)          # first scheduling (also after preemption)
     ok = kv.allocate(seq, num_new_tokens)  # before every step that computes tokens of seq
-    ... copies = kv.take_block_copies()    # engine -> runner, before the forward
-    ... forward; engine advances seq.num_computed_tokens (and appends the sampled token)
+    chunk = kv.address(seq, num_new_tokens)  # its slots and held blocks, into the step's plan
+    copies = kv.take_block_copies()        # into the plan: the runner copies before the forward
+    ... forward; the scheduler advances seq.num_computed_tokens
     kv.record_attention(seq, mass, slots)  # only for sequences with kv.wants_attention(seq)
     kv.commit(seq)                         # after each step that advanced seq
     kv.free(seq)                           # finished, aborted or preempted
@@ -44,7 +45,7 @@ from typing import Protocol
 
 from engine.kv.block_pool import Block, BlockPool, PagePool
 from engine.kv.eviction import EVICTION_POLICIES, EvictionPolicy, make_policy
-from engine.kv.layout import CacheGroupSpec, SharedPages
+from engine.kv.layout import CacheGroupSpec, SharedPages, primary_group
 from engine.kv.prefix_cache import PrefixCache, RadixNode
 from engine.kv.session_pins import SessionPins
 from engine.kv.sizing import window_blocks
@@ -77,6 +78,25 @@ class BlockCopy:
     def pages(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(src pages, dst pages)."""
         return self.src_pages or (self.src,), self.dst_pages or (self.dst,)
+
+
+@dataclass(frozen=True)
+class KeyMass:
+    """The attention mass one sequence's keys received in a step, for h2o's scores: mass[i]
+    went to the primary group's key in slot key_slots[i] (lists or 1-D tensors)."""
+
+    key_slots: SequenceOf[int] | _ToList
+    mass: SequenceOf[float] | _ToList
+
+
+@dataclass(frozen=True)
+class ChunkKV:
+    """Where one scheduled chunk's K/V are written and which keys it attends over, per cache
+    group: what the model runner needs of the KV manager for one sequence in one step."""
+
+    slots: dict[str, list[int]]  # the slot of each new token
+    blocks: dict[str, list[tuple[int, int]]]  # held (block id, logical index), logical order
+    wants_attention: bool = False  # h2o: report the attention mass its keys receive
 
 
 @dataclass
@@ -136,7 +156,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.group_specs = {g.name: g for g in groups}
-        self.primary = "full" if "full" in self.group_specs else names[0]
+        self.primary = primary_group(names)
         self.windows = {g.name: g.sliding_window for g in groups}
         if isinstance(num_blocks, SharedPages):
             pages = PagePool(num_blocks.num_pages)
@@ -449,6 +469,14 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ addressing
 
+    def address(self, seq: Sequence, num_new_tokens: int) -> ChunkKV:
+        """The addressing of seq's next `num_new_tokens` tokens (allocated already)."""
+        return ChunkKV(
+            self.slots_for_new_tokens(seq, num_new_tokens),
+            self.layout(seq),
+            self.wants_attention(seq),
+        )
+
     def layout(self, seq: Sequence) -> dict[str, list[tuple[int, int]]]:
         """Per group, the blocks seq holds as (physical block id, logical block index), in
         logical order. Blocks dropped by a sliding window or an eviction policy are absent."""
@@ -490,7 +518,7 @@ class KVCacheManager:
     ) -> None:
         """Accumulate the attention mass seq's keys received in one step, per logical block
         (h2o scores). mass[i] belongs to the key in slot key_slots[i] of the primary group
-        ("full" when the model has one, as ForwardOutput.attention_mass reports), e.g. the
+        ("full" when the model has one, as RunnerOutput.attention_mass reports), e.g. the
         valid key slots the runner built from layout(); lists or 1-D tensors of equal length."""
         state = self._seqs.get(seq.seq_id)
         if state is None:

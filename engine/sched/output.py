@@ -1,10 +1,14 @@
-"""What one `Scheduler.schedule()` call decides: a plain record the engine turns into a
-ForwardBatch and hands back to `Scheduler.update()` after the step."""
+"""What one `Scheduler.schedule()` call decides: a plain record of the step, with everything
+the model runner needs (each chunk's KV slots and held blocks, the block copies and page
+mappings to apply first), handed back to `Scheduler.update()` after the step."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from engine.kv.block_pool import Block
+from engine.kv.manager import BlockCopy, ChunkKV, KVCacheManager
 from engine.request import Sequence
 
 
@@ -22,6 +26,7 @@ class ScheduledSeq:
     start: int
     num_new_tokens: int
     samples: bool
+    kv: ChunkKV  # where the chunk's K/V go and the keys it attends over
 
     @property
     def ends_prefill(self) -> bool:
@@ -38,6 +43,10 @@ class SchedulerOutput:
     # seq ids that finished or were aborted since the previous schedule(): backends and
     # detokenizers may drop per-sequence state for them.
     finished: list[int] = field(default_factory=list)
+    # Applied by the runner, in order, before the forward writes any K/V: copy-on-write
+    # block copies, and the pages of newly allocated multi-page blocks (SharedPages).
+    block_copies: list[BlockCopy] = field(default_factory=list)
+    page_assignments: list[Block] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -47,3 +56,18 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Nothing to compute this step (there may still be finished ids to clean up)."""
         return not self.scheduled
+
+
+def plan_of(kv: KVCacheManager, chunks: Iterable[tuple[Sequence, int]]) -> SchedulerOutput:
+    """A step of these (sequence, new tokens) chunks, allocated already and each sampling at
+    its end, as schedule() would hand it to the runner: for drivers that manage the KV cache
+    themselves (evals, tests)."""
+    scheduled = [
+        ScheduledSeq(seq, seq.num_computed_tokens, count, True, kv.address(seq, count))
+        for seq, count in chunks
+    ]
+    return SchedulerOutput(
+        scheduled,
+        block_copies=kv.take_block_copies(),
+        page_assignments=kv.take_page_assignments(),
+    )

@@ -25,10 +25,11 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from collections.abc import Sequence as SequenceOf
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
-from engine.kv.manager import KVCacheManager
+from engine.kv.manager import KeyMass, KVCacheManager
 from engine.request import FinishReason, Sequence, SequenceStatus
 from engine.sched.admission import AddResult, AdmissionStatus, CompletionRate, InflightCounts
 from engine.sched.output import ScheduledSeq, SchedulerOutput
@@ -254,6 +255,8 @@ class Scheduler:
                 budget -= num_new
                 if num_new and self._remaining(seq) - num_new <= 1:
                     self.policy.on_prefilled(seq)  # no prefill chunk left, decodes from here
+            out.block_copies = self.kv.take_block_copies()
+            out.page_assignments = self.kv.take_page_assignments()
             return out
 
     def _prefill_queue(self) -> list[Sequence]:
@@ -279,16 +282,23 @@ class Scheduler:
             return self.kv.pins.unpin(tenant, session)
 
     def update(
-        self, output: SchedulerOutput, finished: Mapping[int, FinishReason] | None = None
+        self,
+        output: SchedulerOutput,
+        finished: Mapping[int, FinishReason] | None = None,
+        attention: SequenceOf[KeyMass] | None = None,
     ) -> None:
-        """After the engine ran `output` and appended the sampled tokens: advance every
-        scheduled sequence's num_computed_tokens, commit its KV blocks, then retire the
-        sequences in `finished` (seq id -> reason). Sequences aborted meanwhile are skipped."""
+        """After the engine ran `output` and appended the sampled tokens: give the KV manager
+        the attention mass of the chunks that asked for it (`attention`, per scheduled
+        sequence, as the runner reports it), advance every scheduled sequence's
+        num_computed_tokens, commit its KV blocks, then retire the sequences in `finished`
+        (seq id -> reason). Sequences aborted meanwhile are skipped."""
         with self._lock:
-            for item in output.scheduled:
+            for row, item in enumerate(output.scheduled):
                 seq = item.seq
                 if self._seqs.get(seq.seq_id) is not seq:
                     continue  # aborted after schedule()
+                if attention is not None and item.kv.wants_attention:
+                    self.kv.record_attention(seq, attention[row].mass, attention[row].key_slots)
                 seq.num_computed_tokens = item.start + item.num_new_tokens
                 self.kv.commit(seq)
             for seq_id, reason in (finished or {}).items():
@@ -504,7 +514,9 @@ class Scheduler:
         if new_prompt or new_output:
             self.policy.charge(seq.tenant, new_prompt, new_output)
             self.ledger.charge(seq.tenant, new_prompt, new_output)
-        out.scheduled.append(ScheduledSeq(seq, start, num_new, samples))
+        out.scheduled.append(
+            ScheduledSeq(seq, start, num_new, samples, self.kv.address(seq, num_new))
+        )
 
     def _retire(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SequenceStatus.RUNNING:
