@@ -9,13 +9,11 @@ import structlog
 from app.generation import GenerationService
 from app.response_store import ResponseStore
 from app.responses_service import ResponsesService
-from app.settings import EnginePlan, Settings
+from app.settings import Settings
 from compat.structured import JsonStyle
 from engine.async_engine import AsyncEngine
-from engine.backends import create_backend
-from engine.llm_engine import LLMEngine
+from engine.build import build_engine
 from engine.metrics import ServingMetrics
-from engine.model.loader import LoadedModel, load_model
 
 log = structlog.get_logger(__name__)
 
@@ -40,21 +38,21 @@ def build_server_state(settings: Settings, created: int) -> ServerState:
         device=str(plan.device),
         dtype=str(plan.dtype),
         linear_kernel=plan.kernel,
-        kv_cache_dtype=str(plan.config.kv_cache_dtype),
+        kv_cache_dtype=str(plan.config.kv.cache_dtype),
     )
     async_engine = AsyncEngine(
         # Runs on the engine thread: loading, backend and KV allocation included (see AsyncEngine).
-        lambda: build_engine(settings, plan),
+        lambda: build_engine(plan.config, plan=plan),
         metrics_max_tenants=settings.METRICS_MAX_TENANTS,
     )
     async_engine.start()
-    engine = async_engine.engine
+    info = async_engine.info
     # Structured outputs need the tokenizer's grammar data (seconds to build): on a worker
     # thread now rather than in the first such request.
     async_engine.grammars.warm_up()
     service = GenerationService(
         async_engine,
-        engine.model_id,
+        info.model_id,
         eviction_policy=settings.EVICTION_POLICY,
         session_kv_tokens=settings.SESSION_KV_TOKENS,
         json_style=JsonStyle(
@@ -68,11 +66,11 @@ def build_server_state(settings: Settings, created: int) -> ServerState:
     )
     log.info(
         "engine ready",
-        model=engine.model_id,
+        model=info.model_id,
         backend=settings.BACKEND,
-        kv_blocks={name: pool.num_total for name, pool in engine.kv.pools.items()},
+        kv_blocks=info.kv_blocks,
         block_size=settings.KV_BLOCK_SIZE,
-        max_batch_size=engine.scheduler.max_num_seqs,
+        max_batch_size=info.max_num_seqs,
         policy=settings.SCHEDULING_POLICY,
     )
     store = ResponseStore(
@@ -82,18 +80,6 @@ def build_server_state(settings: Settings, created: int) -> ServerState:
         release_pin=async_engine.end_session,  # a chain's latest response gone: its KV pin too
     )
     return ServerState(
-        settings, async_engine, service, async_engine.metrics, engine.model_id, created,
+        settings, async_engine, service, async_engine.metrics, info.model_id, created,
         ResponsesService(service, store),
     )  # fmt: skip
-
-
-def build_engine(
-    settings: Settings, plan: EnginePlan, loaded: LoadedModel | None = None
-) -> LLMEngine:
-    """The engine `settings` serve, as `plan` (settings.engine_plan()) resolved them: MODEL_NAME
-    loaded in the plan's dtype, or `loaded` (a model loaded once and shared, e.g. by tests;
-    the backend casts its weights), under BACKEND with the plan's linear kernel."""
-    if loaded is None:
-        loaded = load_model(settings.MODEL_NAME, plan.dtype)
-    backend = create_backend(settings.BACKEND, loaded, plan.device, plan.dtype, plan.kernel)
-    return LLMEngine.for_model(loaded, backend, plan.config)

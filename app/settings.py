@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
-import torch
 from dotenv import dotenv_values
 
 from app.origin import normalize_origin
 from compat.unknown_fields import UnknownFields
-from engine.device import parse_dtype, resolve_device, resolve_dtype
+from engine.build import EnginePlan, plan_engine
+from engine.config import EngineConfig, KVConfig, ModelConfig
+from engine.device import parse_dtype
 from engine.faults import FAULT_SPEC_PATTERN, parse_fault_rules
-from engine.llm_engine import EngineConfig
-from engine.model.linear_kernels import kernel_for
 from engine.sched.policy import TokenCost
 from engine.sched.scheduler import SchedulerConfig
 
@@ -24,30 +22,16 @@ from engine.sched.scheduler import SchedulerConfig
 # tenant earn credit by being served).
 Weight = Annotated[float, msgspec.Meta(ge=0)]
 
-# WEIGHTS modes that only CPU libraries run (oneDNN, fbgemm: engine.model.linear_kernels), and
-# whose kernels take float32 or bfloat16 activations.
-CPU_WEIGHTS = ("bf16", "bf16-int8head", "int8")
-
-
-@dataclass(frozen=True)
-class EnginePlan:
-    """What the settings resolve to on this machine, before anything loads."""
-
-    device: torch.device
-    dtype: torch.dtype
-    kernel: str  # the linear layers' kernel (engine.model.linear_kernels.kernel_for)
-    config: EngineConfig  # with KV_CACHE_DTYPE=auto resolved
-
 
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     MODEL_NAME: str = "gemma-3-270m"
     BACKEND: Literal["custom", "hf"] = "custom"
     DEVICE: Literal["cuda", "mps", "cpu"] | None = None  # None: auto-detect
     DTYPE: Literal["float32", "bfloat16", "float16"] | None = None  # None: by device
-    # Linear-layer kernels (engine.model.linear_kernels): bf16 or int8 weights (CPU), or DTYPE
+    # Linear-layer kernels (engine.model.kernel_select): bf16 or int8 weights (CPU), or DTYPE
     # weights computed bit-exact to transformers (exact) or through pre-packed oneDNN kernels on
     # CPU (fast). auto: bf16 on a CPU with AMX, int8 on other CPUs, DTYPE weights on a GPU.
-    # A mode this machine or DTYPE cannot run is refused at start (Settings.engine_plan).
+    # A mode this machine or DTYPE cannot run is refused at start (engine.build.plan_engine).
     WEIGHTS: Literal["auto", "fp32", "bf16", "bf16-int8head", "int8"] = "auto"
     NUMERICS: Literal["exact", "fast"] = "exact"
     MAX_BATCH_SIZE: int | None = None  # None: from memory and the step budget
@@ -120,10 +104,20 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     # Tests only, never in production: "<where>:<marker>,..." fails every engine step that
     # schedules a prompt containing <marker>, at "forward" or "step" (engine/faults.py).
     FAULT_INJECTION: Annotated[str, msgspec.Meta(pattern=FAULT_SPEC_PATTERN)] = ""
+    # Debugging: check the KV bookkeeping (engine.kv.integrity) each time the engine goes idle.
+    KV_CHECK_INTEGRITY: bool = False
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration from these settings (the one place they are mapped)."""
         return EngineConfig(
+            model=ModelConfig(
+                name=self.MODEL_NAME,
+                backend=self.BACKEND,
+                device=self.DEVICE,
+                dtype=self.DTYPE,
+                weights=self.WEIGHTS,
+                numerics=self.NUMERICS,
+            ),
             scheduler=SchedulerConfig(
                 policy=self.SCHEDULING_POLICY,
                 max_num_seqs=self.MAX_BATCH_SIZE,
@@ -136,53 +130,30 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
                 tenant_idle_s=self.TENANT_IDLE_S,
                 max_idle_tenants=self.MAX_IDLE_TENANTS,
             ),
-            block_size=self.KV_BLOCK_SIZE,
-            max_active_kv_tokens=self.MAX_ACTIVE_KV_TOKENS,
-            kv_cache_dtype=None
-            if self.KV_CACHE_DTYPE == "auto"
-            else parse_dtype(self.KV_CACHE_DTYPE),
-            enable_prefix_caching=self.PREFIX_CACHING,
-            session_kv_quota_tokens=self.SESSION_KV_QUOTA_TOKENS,
-            sink_tokens=self.EVICTION_SINK_TOKENS,
-            h2o_recent_fraction=self.EVICTION_H2O_RECENT_FRACTION,
+            kv=KVConfig(
+                block_size=self.KV_BLOCK_SIZE,
+                max_active_tokens=self.MAX_ACTIVE_KV_TOKENS,
+                cache_dtype=None
+                if self.KV_CACHE_DTYPE == "auto"
+                else parse_dtype(self.KV_CACHE_DTYPE),
+                enable_prefix_caching=self.PREFIX_CACHING,
+                session_quota_tokens=self.SESSION_KV_QUOTA_TOKENS,
+                sink_tokens=self.EVICTION_SINK_TOKENS,
+                h2o_recent_fraction=self.EVICTION_H2O_RECENT_FRACTION,
+                check_integrity=self.KV_CHECK_INTEGRITY,
+            ),
             faults=parse_fault_rules(self.FAULT_INJECTION),
         )
 
     def engine_plan(self) -> EnginePlan:
         """The device, dtype, linear kernel and engine config these settings give on this
-        machine, checked before anything loads: settings that cannot serve together here exit
-        as a malformed value does in load_settings, with "invalid setting: " and a line naming
-        them, why, and what to use instead."""
+        machine (engine.build.plan_engine), checked before anything loads: settings that
+        cannot serve together here exit as a malformed value does in load_settings, with
+        "invalid setting: " and a line naming them, why, and what to use instead."""
         try:
-            device = resolve_device(self.DEVICE)
-            dtype = resolve_dtype(self.DTYPE, device)
-            kernel = self._linear_kernel(device, dtype)
+            return plan_engine(self.engine_config())
         except ValueError as exc:
             raise SystemExit(f"invalid setting: {exc}") from None
-        config = self.engine_config().with_auto_kv_cache_dtype(kernel, dtype)
-        return EnginePlan(device, dtype, kernel, config)
-
-    def _linear_kernel(self, device: torch.device, dtype: torch.dtype) -> str:
-        """kernel_for(WEIGHTS, NUMERICS) on `device`, or ValueError naming the settings that
-        conflict. Every WEIGHTS and NUMERICS runs under both BACKENDs and every KV_CACHE_DTYPE
-        (tests/test_settings_matrix.py); what can conflict is a CPU kernel with the device, the
-        CPU or DTYPE."""
-        weights = self.WEIGHTS
-        if weights in CPU_WEIGHTS and device.type != "cpu":
-            raise ValueError(
-                f"WEIGHTS={weights} with DEVICE={self.DEVICE or 'auto'} ({device.type}): "
-                f"{weights} runs CPU kernels only (oneDNN, fbgemm); use WEIGHTS=fp32 or auto "
-                "there, or DEVICE=cpu"
-            )
-        # Raises where the CPU lacks oneDNN's bfloat16 GEMM, naming WEIGHTS and what is missing.
-        kernel = kernel_for(weights, self.NUMERICS, device)
-        if kernel in CPU_WEIGHTS and dtype == torch.float16:
-            chosen = weights if weights == kernel else f"{weights} ({kernel} on this CPU)"
-            raise ValueError(
-                f"WEIGHTS={chosen} with DTYPE=float16: the {kernel} kernels take float32 or "
-                "bfloat16 activations; use DTYPE=float32 or bfloat16, or WEIGHTS=fp32"
-            )
-        return kernel
 
     @property
     def api_keys(self) -> dict[str, str]:

@@ -54,7 +54,7 @@ if TYPE_CHECKING:  # the proxy imports this module for the router: no torch ther
 
     from app.server import ServerState
     from app.settings import Settings
-    from engine.sched.scheduler import Scheduler
+    from engine.async_engine import AsyncEngine
 
 log = structlog.get_logger(__name__)
 
@@ -171,8 +171,7 @@ class GemmaReplica:
             )  # fmt: skip
             self._tasks.append(asyncio.create_task(self._ops.serve()))
         if self._ledger is not None and self._settings.SCHEDULING_POLICY == "vtc":
-            scheduler = state.engine.engine.scheduler
-            self._tasks.append(asyncio.create_task(self._share(scheduler, context.replica_tag)))
+            self._tasks.append(asyncio.create_task(self._share(state.engine, context.replica_tag)))
 
     async def _stopped(self) -> None:
         """After the app's lifespan drained the engine."""
@@ -181,27 +180,25 @@ class GemmaReplica:
         for task in self._tasks:
             task.cancel()
 
-    async def _share(self, scheduler: Scheduler, replica: str) -> None:
+    async def _share(self, engine: AsyncEngine, replica: str) -> None:
         """Exchange service with the ledger every SHARE_EVERY_S (deploy/fairness.py)."""
         assert self._ledger is not None
         served = ServedSince()
         while True:
             await asyncio.sleep(SHARE_EVERY_S)
-            stats = scheduler.stats().tenants
-            delta = served.delta({t: (s.prompt_tokens, s.output_tokens) for t, s in stats.items()})
+            delta = served.delta(engine.tenant_service())
             try:
                 owed = await self._ledger.exchange.remote(replica, delta)
             except Exception as exc:  # the ledger restarting: this round is not shared
                 log.warning("service exchange failed", error=repr(exc))
                 continue
-            scheduler.charge_remote(owed)
+            engine.charge_remote(owed)
 
     def record_routing_stats(self) -> dict[str, float]:
         """What routers see as `replica.routing_stats`: the engine's queued work."""
         if self._state is None:
             return {}
-        scheduler = self._state.engine.engine.scheduler
-        return {"queued": scheduler.num_running + scheduler.num_waiting}
+        return {"queued": self._state.engine.num_queued}
 
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose engine loop died is restarted."""

@@ -17,7 +17,7 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
@@ -102,11 +102,14 @@ class RequestStream:
 class EngineInfo:
     """What a gateway needs to know of the engine it serves from, fixed once it is built."""
 
+    model_id: str
     tokenizer: PreTrainedTokenizerBase
     max_model_len: int  # tokens of context a sequence may reach
     vocab_size: int
     kv_capacity_tokens: int  # the most KV one sequence can ever hold (Scheduler.kv_capacity_tokens)
     max_queue_len: int  # waiting sequences before submissions are refused
+    max_num_seqs: int  # sequences running at once (MAX_BATCH_SIZE, or sized from memory)
+    kv_blocks: dict[str, int]  # KV blocks per cache group
 
 
 class AsyncEngine:
@@ -190,12 +193,31 @@ class AsyncEngine:
         """The started engine's tokenizer, context length, vocabulary and limits."""
         engine = self.engine
         return EngineInfo(
+            model_id=engine.model_id,
             tokenizer=engine.tokenizer,
             max_model_len=engine.max_model_len,
             vocab_size=engine.backend.vocab_size,
             kv_capacity_tokens=engine.scheduler.kv_capacity_tokens,
             max_queue_len=engine.scheduler.config.max_queue_len,
+            max_num_seqs=engine.scheduler.max_num_seqs,
+            kv_blocks={name: pool.num_total for name, pool in engine.kv.pools.items()},
         )
+
+    @property
+    def num_queued(self) -> int:
+        """Sequences running or waiting: the load a router balances."""
+        scheduler = self.engine.scheduler
+        return scheduler.num_running + scheduler.num_waiting
+
+    def tenant_service(self) -> dict[str, tuple[int, int]]:
+        """Prompt and output tokens served per tenant so far (the scheduler's ledger)."""
+        tenants = self.engine.scheduler.stats().tenants
+        return {name: (t.prompt_tokens, t.output_tokens) for name, t in tenants.items()}
+
+    def charge_remote(self, usage: Mapping[str, tuple[int, int]]) -> None:
+        """Charge the fairness counters for service other replicas gave tenants
+        (Scheduler.charge_remote)."""
+        self.engine.scheduler.charge_remote(usage)
 
     @property
     def grammars(self) -> GrammarCompiler:

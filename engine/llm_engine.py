@@ -13,19 +13,21 @@ import os
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import structlog
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.backends.base import InferenceBackend
+from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, check_stop
-from engine.faults import FaultInjector, FaultRule
+from engine.faults import FaultInjector
+from engine.kv.integrity import KVIntegrityError
 from engine.kv.layout import SharedPages
 from engine.kv.manager import KVCacheManager
 from engine.kv.sizing import blocks_per_group, can_share_pages, shared_pages
-from engine.model.kv_cache import auto_kv_cache_dtype, cache_group_specs
+from engine.model.kv_cache import cache_group_specs
 from engine.model.loader import LoadedModel
 from engine.request import FinishReason, Sequence, StepOutput, TokenLogprob
 from engine.runner import ModelRunner
@@ -40,38 +42,6 @@ log = structlog.get_logger(__name__)
 
 # With no MAX_ACTIVE_KV_TOKENS, the KV cache takes this share of free memory.
 _AUTO_KV_MEMORY_FRACTION = 0.25
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """What an engine is built with; the server makes one from its settings
-    (app.settings.Settings.engine_config) and hands the scheduler its part unchanged."""
-
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    block_size: int = 16  # tokens per KV block (KV_BLOCK_SIZE)
-    # KV memory budget: the bytes this many tokens take in every storing layer; None: from
-    # free memory. Sliding-window layers get only what their window uses, full attention the rest.
-    max_active_kv_tokens: int | None = None
-    # The K/V pools' dtype (KV_CACHE_DTYPE); None: the model's. bfloat16 under float32 weights
-    # halves the bytes a token's K/V takes and attention reads (docs/kv-cache.md, "KV cache dtype").
-    kv_cache_dtype: torch.dtype | None = None
-    enable_prefix_caching: bool = True
-    # The most KV one tenant's sessions keep pinned between turns; None: no quota.
-    session_kv_quota_tokens: int | None = 16384
-    # The `sink` and `h2o` eviction policies' parameters (engine.kv.eviction).
-    sink_tokens: int = 4
-    h2o_recent_fraction: float = 0.5
-    faults: tuple[FaultRule, ...] = ()  # FAULT_INJECTION's rules (tests only; engine.faults)
-    # A step whose rows are all plain greedy takes its tokens from the LM head's own argmax
-    # where the head's kernel has one, so the logits are never written (ModelRunner.forward).
-    greedy_head: bool = True
-
-    def with_auto_kv_cache_dtype(self, kernel: str, dtype: torch.dtype) -> EngineConfig:
-        """This config with no kv_cache_dtype resolved as KV_CACHE_DTYPE=auto does for the
-        linear `kernel` and model `dtype` (engine.model.kv_cache.auto_kv_cache_dtype)."""
-        if self.kv_cache_dtype is not None:
-            return self
-        return replace(self, kv_cache_dtype=auto_kv_cache_dtype(kernel, dtype))
 
 
 class StepFailed(RuntimeError):
@@ -100,16 +70,17 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = backend.max_model_len
         num_blocks = _num_kv_blocks(backend, config)
-        self.runner = ModelRunner(backend, num_blocks, config.block_size, config.kv_cache_dtype)
-        quota = config.session_kv_quota_tokens
+        kv = config.kv
+        self.runner = ModelRunner(backend, num_blocks, kv.block_size, kv.cache_dtype)
+        quota = kv.session_quota_tokens
         self.kv = KVCacheManager(
             self.runner.cache_groups,
             num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            sink_tokens=config.sink_tokens,
-            h2o_recent_fraction=config.h2o_recent_fraction,
-            pin_quota_blocks=None if quota is None else quota // config.block_size,
+            kv.block_size,
+            kv.enable_prefix_caching,
+            sink_tokens=kv.sink_tokens,
+            h2o_recent_fraction=kv.h2o_recent_fraction,
+            pin_quota_blocks=None if quota is None else quota // kv.block_size,
         )
         if config.scheduler.max_num_seqs is None:
             limit = auto_max_num_seqs(self.kv.num_free_blocks, config.scheduler)
@@ -153,7 +124,7 @@ class LLMEngine:
     def _warm_up_kernels(self) -> None:
         """Build the kernels' per-shape state for every step shape now, on the thread that will
         run the steps: the first requests do not pay for it, and resident memory does not grow
-        with the variety of traffic later (engine.model.linear_kernels.warm_up)."""
+        with the variety of traffic later (engine.model.kernel_select.warm_up)."""
         started = time.perf_counter()
         sched = self.config.scheduler
         calls = self.backend.warm_up(
@@ -194,8 +165,14 @@ class LLMEngine:
         return self.scheduler.has_work
 
     def on_idle(self) -> None:
-        """The work ran out: give back the buffers the steps keep (ModelRunner.release_buffers)."""
+        """The work ran out: give back the buffers the steps keep (ModelRunner.release_buffers),
+        and check the KV bookkeeping if asked to, logging what contradicts itself."""
         self.runner.release_buffers()
+        if self.config.kv.check_integrity:
+            try:
+                self.kv.check_integrity()
+            except KVIntegrityError as exc:
+                log.error("KV bookkeeping contradicts itself", error=str(exc))
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Sequence, StepOutput]]:
@@ -363,12 +340,13 @@ def _num_kv_blocks(backend: InferenceBackend, config: EngineConfig) -> dict[str,
     """The KV memory out of a budget of MAX_ACTIVE_KV_TOKENS tokens of K/V in every storing
     layer (at the cache's dtype), or of a share of free memory: one page pool all cache groups
     share when their layers can (engine.kv.sizing), else blocks per group by layer kind."""
-    groups = cache_group_specs(backend.arch, config.kv_cache_dtype or backend.dtype)
+    kv = config.kv
+    groups = cache_group_specs(backend.arch, kv.cache_dtype or backend.dtype)
     bytes_per_token = sum(group.bytes_per_token for group in groups)
     sched = config.scheduler
     max_context: int | None = None
-    if config.max_active_kv_tokens is not None:
-        budget = config.max_active_kv_tokens * bytes_per_token
+    if kv.max_active_tokens is not None:
+        budget = kv.max_active_tokens * bytes_per_token
     else:
         budget = int(_free_memory_bytes(backend.device) * _AUTO_KV_MEMORY_FRACTION)
         # More than every sequence at full length is never needed.
@@ -377,7 +355,7 @@ def _num_kv_blocks(backend: InferenceBackend, config: EngineConfig) -> dict[str,
     return size(
         groups,
         budget,
-        config.block_size,
+        kv.block_size,
         sched.max_num_seqs or MAX_AUTO_BATCH,
         sched.max_num_batched_tokens,
         max_context,

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from engine.backends import create_backend
-from engine.device import resolve_device, resolve_dtype
+from engine.build import build_engine, plan_engine
+from engine.config import EngineConfig
 from engine.events import ChoiceTracker, Event, fold
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.model.linear_kernels import kernel_for
-from engine.model.loader import EMBEDDED_MODEL, LoadedModel, load_model
+from engine.model.loader import LoadedModel
 from engine.request import FinishReason, Sequence, TokenLogprob
 from engine.sampling import InvalidRequestError, SamplingParams
 from engine.sched.admission import AdmissionStatus
@@ -43,29 +41,36 @@ class GenerationResult:
 class LLM:
     def __init__(
         self,
-        model: str | LoadedModel = EMBEDDED_MODEL,
-        backend: str = "custom",
+        model: str | LoadedModel | None = None,
+        backend: str | None = None,
         device: str | None = None,
         dtype: str | None = None,
         config: EngineConfig = EngineConfig(),
-        weights: str = "fp32",
-        numerics: str = "exact",
+        weights: str | None = None,
+        numerics: str | None = None,
     ) -> None:
-        """`model` is a name for load_model(), or an already loaded model (loaded once and
-        shared, e.g. by tests; the backend casts its weights to `dtype`). `weights` and
-        `numerics` pick the linear-layer kernels as the WEIGHTS / NUMERICS settings do, and
-        a config without kv_cache_dtype gets the KV cache dtype KV_CACHE_DTYPE=auto picks."""
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        kernel = kernel_for(weights, numerics, self.device)
-        loaded = model if isinstance(model, LoadedModel) else load_model(model, self.dtype)
-        self.model_id = loaded.model_id
-        self.tokenizer = loaded.tokenizer
-        self.engine = LLMEngine.for_model(
-            loaded,
-            create_backend(backend, loaded, self.device, self.dtype, kernel),
-            config.with_auto_kv_cache_dtype(kernel, self.dtype),
-        )
+        """An engine built as the server builds one (engine.build.build_engine), from `config`
+        with any of its model settings given here instead: `model` a name for load_model(), or
+        an already loaded model (loaded once and shared, e.g. by tests; the backend casts its
+        weights to `dtype`); `backend`, `device`, `dtype`, and `weights` / `numerics` as the
+        BACKEND, DEVICE, DTYPE, WEIGHTS and NUMERICS settings. The defaults are the server's:
+        the embedded model with WEIGHTS=auto."""
+        loaded = model if isinstance(model, LoadedModel) else None
+        given: dict[str, str | None] = {
+            "name": model if isinstance(model, str) else None,
+            "backend": backend,
+            "device": device,
+            "dtype": dtype,
+            "weights": weights,
+            "numerics": numerics,
+        }
+        overrides = {name: value for name, value in given.items() if value is not None}
+        config = replace(config, model=replace(config.model, **overrides))
+        plan = plan_engine(config)
+        self.device, self.dtype = plan.device, plan.dtype
+        self.engine = build_engine(config, loaded, plan)
+        self.model_id = self.engine.model_id
+        self.tokenizer = self.engine.tokenizer
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt (BOS added to text); token-id prompts are checked and kept."""

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.backends.base import InferenceBackend
+from engine.kv.block_tables import BlockCopy
 from engine.kv.layout import SharedPages, primary_group
-from engine.kv.manager import BlockCopy, KeyMass
+from engine.kv.session_eviction import KeyMass
 from engine.model import cpu_ops
 from engine.model.batch import ForwardBatch, GroupAttention, slots_of_blocks
 from engine.model.kv_cache import PagedKVCache, cache_group_specs

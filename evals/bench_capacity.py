@@ -13,7 +13,8 @@ import random
 import torch
 
 from engine.backends import create_backend
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig, KVConfig
+from engine.llm_engine import LLMEngine
 from engine.model.loader import load_model
 from engine.request import Sequence
 from engine.sampling import SamplingParams
@@ -39,7 +40,7 @@ def main() -> None:
         create_backend("custom", loaded, torch.device("cpu"), torch.float32),
         EngineConfig(
             scheduler=SchedulerConfig(max_num_seqs=args.requests, max_num_batched_tokens=2048),
-            max_active_kv_tokens=args.kv_tokens, enable_prefix_caching=False,
+            kv=KVConfig(max_active_tokens=args.kv_tokens, enable_prefix_caching=False),
         ),
     )  # fmt: skip
     rng = random.Random(3)

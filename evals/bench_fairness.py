@@ -13,7 +13,8 @@ import random
 import torch
 
 from engine.backends import create_backend
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig, KVConfig
+from engine.llm_engine import LLMEngine
 from engine.model.loader import load_model
 from engine.request import Sequence
 from engine.sampling import SamplingParams
@@ -31,7 +32,7 @@ def run(policy: str, loaded, backend, args) -> dict:
                 policy=policy, max_num_seqs=args.batch, max_num_batched_tokens=256,
                 max_queue_len=1024,
             ),
-            max_active_kv_tokens=16384, enable_prefix_caching=False,
+            kv=KVConfig(max_active_tokens=16384, enable_prefix_caching=False),
         ),
     )  # fmt: skip
     rng = random.Random(4)

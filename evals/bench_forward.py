@@ -16,7 +16,8 @@ import random
 import torch
 
 from engine.backends import create_backend
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig, KVConfig
+from engine.llm_engine import LLMEngine
 from engine.model.loader import load_model
 from engine.sampling import SamplingParams
 from engine.sched.scheduler import SchedulerConfig
@@ -40,8 +41,9 @@ def engine_speed(
         backend,
         EngineConfig(
             scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=longest),
-            enable_prefix_caching=False,
-            max_active_kv_tokens=longest + decode_tokens + 64,
+            kv=KVConfig(
+                enable_prefix_caching=False, max_active_tokens=longest + decode_tokens + 64
+            ),
         ),
     )  # fmt: skip
 

@@ -1,6 +1,6 @@
 """The linear kernels of each weight mode on the embedded model's own shapes, timed in turns.
 
-For every kernel module the server can run (engine/model/linear_kernels.py), as the server runs
+For every kernel module the server can run (engine/model/kernel_select.py), as the server runs
 it and, where it switches to cpu_ops' packed kernels at some row counts, with oneDNN alone, and
 for every row count: the time of one call on a weight of the LM head's shape (262,144 x 640,
 tied to the embedding) and of one decoder layer's linears (the fused q/k/v, o, fused gate/up
@@ -44,16 +44,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.linear_kernels import (
-    BFloat16GatedMLP,
-    BFloat16Linear,
-    DynamicInt8Linear,
-    OneDNNInt8Linear,
-    PackedLinear,
-    has_amx,
-    has_bf16,
-    int8_linear_class,
-)
+from engine.model.cpu_features import has_amx, has_bf16
+from engine.model.int8_kernels import DynamicInt8Linear, OneDNNInt8Linear
+from engine.model.kernel_select import int8_linear_class
+from engine.model.linear_kernels import BFloat16GatedMLP, BFloat16Linear, PackedLinear
 from evals.harness import write_results
 
 HIDDEN, INTERMEDIATE, HEAD_DIM, HEADS, KV_HEADS, VOCAB = 640, 2048, 256, 4, 1, 262_144

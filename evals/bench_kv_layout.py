@@ -35,10 +35,10 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 from engine.backends.base import InferenceBackend
 from engine.backends.custom import CustomBackend
+from engine.config import EngineConfig, KVConfig
 from engine.kv.layout import SharedPages
 from engine.kv.manager import KVCacheManager
 from engine.kv.sizing import blocks_per_group, shared_pages
-from engine.llm_engine import EngineConfig
 from engine.model.kv_cache import cache_group_specs
 from engine.offline import LLM
 from engine.request import Sequence
@@ -114,7 +114,9 @@ def main() -> None:
     args = parser.parse_args()
     max_len = args.context + args.steps * (args.rounds + 1) + 16
     if args.model == "embedded":
-        llm = LLM(weights="auto", numerics="fast", config=EngineConfig(max_active_kv_tokens=64))
+        llm = LLM(
+            weights="auto", numerics="fast", config=EngineConfig(kv=KVConfig(max_active_tokens=64))
+        )
         backend, kv_dtype = llm.engine.backend, llm.engine.runner.kv_dtype
         vocab = 262_000
     else:

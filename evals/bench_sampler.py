@@ -7,7 +7,7 @@ temperature and row count, timed in turns (each round calls every way once per c
 shuffled order; the figure is each one's median over the rounds):
 
 - kernel: cpu_ops.gumbel_argmax, the race the sampler runs on the CPU;
-- torch race: _race_torch, the same race in torch ops, which runs where the kernel does not;
+- torch race: race_torch, the same race in torch ops, which runs where the kernel does not;
 - sample(): a whole Sampler.sample call on seeded rows without top-k, top-p or min-p, which
   is the kernel plus the per-row keys.
 
@@ -34,7 +34,8 @@ import torch
 
 from engine.model import cpu_ops
 from engine.model.loader import load_model
-from engine.sampler import _WORD, Sampler, SamplingRow, _keys, _mix32, _race_torch
+from engine.random_draw import WORD, mix32, race_torch
+from engine.sampler import Sampler, SamplingRow, _keys
 from engine.sampling import SamplingParams
 from evals.harness import ROOT, hf_reference_model, make_prompt, write_results
 
@@ -85,11 +86,11 @@ def replay(logits: torch.Tensor, inverse_temperature: float, key: int) -> tuple[
     first = int((logits == top).nonzero()[0])
     s = (logits - top) * inv
     keys = torch.tensor([key])
-    low, high = keys & _WORD, keys >> 32
-    a = _mix32(low ^ _mix32(high))
-    b = _mix32(high ^ _mix32(low ^ 0x9E3779B9))
-    bits = _mix32(_mix32((torch.arange(vocab) + a) & _WORD) ^ b)
-    complement = (_WORD - bits).float()
+    low, high = keys & WORD, keys >> 32
+    a = mix32(low ^ mix32(high))
+    b = mix32(high ^ mix32(low ^ 0x9E3779B9))
+    bits = mix32(mix32((torch.arange(vocab) + a) & WORD) ^ b)
+    complement = (WORD - bits).float()
     noise = -torch.log(-torch.log1p(-(complement.double() + 0.5) * 2.0**-32))
     exponent = torch.where(complement == 0, -127, torch.frexp(complement).exponent - 1)
     bound = s + ((32 - exponent).float() * LN2 + SLACK)
@@ -128,7 +129,7 @@ def main() -> None:
         if way == "kernel":
             return lambda: cpu_ops.gumbel_argmax(x, inverse, keys[:rows])
         if way == "torch race":
-            return lambda: _race_torch(x, inverse, keys[:rows])
+            return lambda: race_torch(x, inverse, keys[:rows])
         params = SamplingParams(temperature=temperature, seed=0)
         sampling_rows = [SamplingRow(params, [], [], step) for step in range(rows)]
         return lambda: sampler.sample(x, sampling_rows)

@@ -1,15 +1,14 @@
 """Engine steps on the embedded model with the fused CPU kernels (engine/model/cpu_ops.py) and
 with the eager ops they replace, in the default weight mode, timed in turns.
 
-One engine and one loaded model, switched between the two ways before each turn: norms, RoPE
-and residual adds fused (GemmaForCausalLM.fuse) and decode attention read in place from the
-paged pools (the runner's paged_decode), or eager ops with gathered K/V and PyTorch's fused
-attention. A turn sends N requests of `--prompt-tokens` distinct
-token ids for `--output-tokens` tokens (EOS ignored) and times every engine step after the
-prefill: whole decode steps, scheduler and sampler included, as a server runs them, and where
-a fused step's time goes by phase (engine/step_profile.py). Every
-round runs each (way, N) once in a shuffled order, so the machine's drift hits both alike; the
-figure is the median decode step over all rounds.
+Two engines on one loaded model, taking turns: norms, RoPE and residual adds fused
+(engine.model.optimize's fuse_ops) and decode attention read in place from the paged pools
+(the runner's paged_decode), or eager ops with gathered K/V and PyTorch's fused attention. A
+turn sends N requests of `--prompt-tokens` distinct token ids for `--output-tokens` tokens (EOS
+ignored) and times every engine step after the prefill: whole decode steps, scheduler and
+sampler included, as a server runs them, and where a fused step's time goes by phase
+(engine/step_profile.py). Every round runs each (way, N) once in a shuffled order, so the
+machine's drift hits both alike; the figure is the median decode step over all rounds.
 
 With `--neighbour-duty D` another process busy-waits D of every 4 ms throughout, as a server's
 event loop and a benchmark's client take their share of its cores: a kernel that splits its
@@ -40,9 +39,12 @@ from collections.abc import Iterator
 
 import torch
 
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.backends.custom import CustomBackend
+from engine.config import EngineConfig, KVConfig
+from engine.llm_engine import LLMEngine
 from engine.model import cpu_ops, huge_pages
-from engine.offline import LLM
+from engine.model.kernel_select import kernel_for
+from engine.model.loader import EMBEDDED_MODEL, load_model
 from engine.request import Sequence
 from engine.sampling import SamplingParams
 from engine.sched.scheduler import SchedulerConfig
@@ -67,27 +69,21 @@ def main() -> None:
     huge_pages.ENABLED = not args.no_huge_pages
     if not cpu_ops.available():
         raise SystemExit("the fused CPU kernels could not be built here (see the log)")
-    llm = LLM(
-        weights="auto",
-        numerics="fast",
-        config=EngineConfig(
-            scheduler=SchedulerConfig(
-                max_num_seqs=max(args.users),
-                max_num_batched_tokens=max(args.users) * args.prompt_tokens,
-            ),
-            enable_prefix_caching=False,
-            greedy_head=not args.no_greedy_head,
+    config = EngineConfig(
+        scheduler=SchedulerConfig(
+            max_num_seqs=max(args.users),
+            max_num_batched_tokens=max(args.users) * args.prompt_tokens,
         ),
+        kv=KVConfig(enable_prefix_caching=False),
+        greedy_head=not args.no_greedy_head,
     )
-    model, runner = llm.engine.backend.model, llm.engine.runner
+    engines = two_engines(config)
     rng = random.Random(0)
     steps: dict[tuple[str, int], list[float]] = {(w, n): [] for w in WAYS for n in args.users}
     phases: dict[tuple[str, int], list[dict]] = {(w, n): [] for w in WAYS for n in args.users}
     order = list(steps)
     with neighbour(args.neighbour_duty):
-        run_rounds(llm, args, rng, order, steps, phases)
-    model.fuse(True)
-    runner.paged_decode = True
+        run_rounds(engines, args, rng, order, steps, phases)
     ms = {key: 1000 * statistics.median(values) for key, values in steps.items()}
     lines = [
         "| N | eager ops, ms per decode step | fused kernels | saved | tok/s eager | tok/s fused |",
@@ -136,8 +132,26 @@ def main() -> None:
     print(f"wrote {path}")
 
 
+def two_engines(config: EngineConfig) -> dict[str, LLMEngine]:
+    """The default weight mode's engine, with the fused CPU kernels and without, on one loaded
+    model."""
+    device = torch.device("cpu")
+    kernel = kernel_for("auto", "fast", device)
+    loaded = load_model(EMBEDDED_MODEL, torch.float32)
+    config = config.with_auto_kv_cache_dtype(kernel, torch.float32)
+    engines = {}
+    for way in WAYS:
+        backend = CustomBackend(
+            loaded.config, loaded.state_dict, device, torch.float32, loaded.max_model_len,
+            kernel, fuse_ops=way == "fused kernels",
+        )  # fmt: skip
+        engines[way] = LLMEngine.for_model(loaded, backend, config)
+        engines[way].runner.paged_decode = way == "fused kernels"
+    return engines
+
+
 def run_rounds(
-    llm: LLM,
+    engines: dict[str, LLMEngine],
     args: argparse.Namespace,
     rng: random.Random,
     order: list[tuple[str, int]],
@@ -145,17 +159,15 @@ def run_rounds(
     phases: dict[tuple[str, int], list[dict]],
 ) -> None:
     """Every (way, N) once per round, in a shuffled order, adding to `steps` and `phases`."""
-    model, runner = llm.engine.backend.model, llm.engine.runner
+    tokenizer = engines[WAYS[0]].tokenizer
     for round_index in range(args.rounds + 1):  # the first round warms up
         rng.shuffle(order)
         for way, users in order:
-            model.fuse(way == "fused kernels")
-            runner.paged_decode = way == "fused kernels"
-            prompts = [token_prompt(llm.tokenizer, rng, args.prompt_tokens) for _ in range(users)]
+            prompts = [token_prompt(tokenizer, rng, args.prompt_tokens) for _ in range(users)]
             params = SamplingParams(
                 max_tokens=args.output_tokens, ignore_eos=True, temperature=args.temperature
             )
-            times, profile = decode_steps(llm.engine, prompts, params)
+            times, profile = decode_steps(engines[way], prompts, params)
             if round_index:
                 steps[way, users] += times
                 phases[way, users].append(profile)

@@ -18,7 +18,7 @@ It goes through the engine's own path: the KV manager (engine.kv.manager, with t
 policies and their block-granular budgets), the model runner's batch building and attention
 recording (engine.runner), the custom backend and the paged attention (engine.model). Weights
 are float32 run by the `packed` kernel (WEIGHTS=fp32 NUMERICS=fast: the same weights and maths
-as `exact`, summed in another order; engine.model.linear_kernels): on this 2-core machine a
+as `exact`, summed in another order; engine.model.kernel_select): on this 2-core machine a
 batched step of 13 sequences took 0.057 s with it and 1.65 s with `exact`, which would make a
 2,048-token run take hours. `--kernel exact` is there for whoever has the time.
 
@@ -131,7 +131,7 @@ class TeacherForcedDriver:
             masses = None if raw is None else keyed_masses(batch, raw)
         for row, item in enumerate(plan.scheduled):
             if masses is not None and item.kv.wants_attention:
-                self.kv.record_attention(item.seq, masses[row].mass, masses[row].key_slots)
+                self.kv.record_attention(item.seq, masses[row])
             item.seq.num_computed_tokens += 1
             self.kv.commit(item.seq)
         return logits
@@ -244,7 +244,7 @@ def evaluate(
             track.step_s.append(time.perf_counter() - start)
             record(track, logits[0])
     for track in tracks:
-        track.held_blocks = {g: len(b) for g, b in driver.kv.layout(track.seq).items()}
+        track.held_blocks = {g: len(b) for g, b in driver.kv.tables.layout(track.seq).items()}
     return {"kernel": kernel, **summarize(tracks, driver, context, block_size, timed_steps)}
 
 

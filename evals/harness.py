@@ -23,7 +23,7 @@ import httpx
 import torch
 
 from engine.llm_engine import LLMEngine
-from engine.model.linear_kernels import has_amx
+from engine.model.cpu_features import has_amx
 from engine.request import Sequence
 from engine.sampling import SamplingParams
 

@@ -4,7 +4,7 @@
 
 Modes: float32 exact (bit-equal to transformers), float32 fast (pre-packed oneDNN), bf16
 (oneDNN bfloat16 weights and activations), bf16-int8head (bf16 layers, int8 LM head) and int8
-(per-channel weights, per-row activation scales); see engine/model/linear_kernels.py.
+(per-channel weights, per-row activation scales); see engine/model/int8_kernels.py.
 
 - Perplexity, computed as llama.cpp's `llama-perplexity` does: the text is tokenized once (BOS
   first) and cut into chunks of `--context` tokens, each chunk's first token is made BOS, and only
@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from engine.backends import create_backend
 from engine.model.batch import ForwardBatch, GroupAttention
-from engine.model.linear_kernels import (
+from engine.model.kernel_select import (
     body_and_head,
     kernel_for,
     make_fused_mlp,

@@ -23,16 +23,11 @@ import torch
 from torch import nn
 
 from engine.backends.custom import CustomBackend
-from engine.llm_engine import EngineConfig
+from engine.config import EngineConfig, KVConfig
+from engine.model.int8_kernels import DynamicInt8Linear, OneDNNInt8Linear
+from engine.model.kernel_select import kernel_for
 from engine.model.kv_cache import auto_kv_cache_dtype
-from engine.model.linear_kernels import (
-    BFloat16GatedMLP,
-    BFloat16Linear,
-    DynamicInt8Linear,
-    OneDNNInt8Linear,
-    PackedLinear,
-    kernel_for,
-)
+from engine.model.linear_kernels import BFloat16GatedMLP, BFloat16Linear, PackedLinear
 from engine.offline import LLM
 from engine.sampling import SamplingParams
 from engine.sched.scheduler import SchedulerConfig
@@ -90,7 +85,9 @@ def main() -> None:
     llm = LLM(
         weights="auto",
         numerics="fast",
-        config=EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1), enable_prefix_caching=False),
+        config=EngineConfig(
+            scheduler=SchedulerConfig(max_num_seqs=1), kv=KVConfig(enable_prefix_caching=False)
+        ),
     )
     engine = llm.engine
     if not isinstance(engine.backend, CustomBackend):

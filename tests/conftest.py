@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from app.settings import Settings
-from engine.model.linear_kernels import has_bf16
+from engine.model.cpu_features import has_bf16
 
 ROOT = Path(__file__).resolve().parent.parent
 # oneDNN's bfloat16 GEMM needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; WEIGHTS=bf16 is refused

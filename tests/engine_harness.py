@@ -3,7 +3,8 @@
 - `shared_backend(loaded)`: one `custom` CPU backend per loaded model, shared by the engine test
   modules. Its weights are the loaded tensors; its KV cache is reallocated by every engine
   built on it, so only the newest engine over it may be stepped.
-- `new_engine(loaded, **config)`: a fresh LLMEngine over that backend (cheap: no weights move).
+- `new_engine(loaded, scheduler=..., **kv)`: a fresh LLMEngine over that backend (cheap: no
+  weights move).
 - `one_torch_thread`: a module fixture the engine test modules use (see its docstring).
 - `greedy_alone(loaded, prompt, n)`: the greedy tokens of a prompt generated with no other
   sequence, no prefix cache and its whole prompt in one step, on a second backend of its own;
@@ -14,12 +15,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
 from engine.backends import InferenceBackend, create_backend
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig, KVConfig
+from engine.llm_engine import LLMEngine
 from engine.model.batch import ForwardBatch
 from engine.model.loader import LoadedModel
 from engine.request import Sequence, StepOutput
@@ -59,8 +62,15 @@ def shared_backend(loaded: LoadedModel, role: str = "test") -> InferenceBackend:
     return _backends[key]
 
 
-def new_engine(loaded: LoadedModel, role: str = "test", **config) -> LLMEngine:
-    return LLMEngine.for_model(loaded, shared_backend(loaded, role), EngineConfig(**config))
+def new_engine(
+    loaded: LoadedModel,
+    role: str = "test",
+    scheduler: SchedulerConfig | None = None,
+    **kv: Any,
+) -> LLMEngine:
+    """An engine over the shared backend with `scheduler` and the KVConfig fields `kv`."""
+    config = EngineConfig(scheduler=scheduler or SchedulerConfig(), kv=KVConfig(**kv))
+    return LLMEngine.for_model(loaded, shared_backend(loaded, role), config)
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
@@ -97,7 +107,7 @@ def greedy_alone(loaded: LoadedModel, prompt: list[int], max_tokens: int) -> lis
         engine = new_engine(
             loaded,
             role="reference",
-            max_active_kv_tokens=len(prompt) + max_tokens + 64,
+            max_active_tokens=len(prompt) + max_tokens + 64,
             scheduler=SchedulerConfig(max_num_batched_tokens=max(512, len(prompt))),
             enable_prefix_caching=False,
         )

@@ -1,7 +1,7 @@
 import pytest
 
 from engine.kv.block_pool import BlockPool, NoFreeBlocksError
-from tests.kv_invariants import check_pool
+from engine.kv.integrity import check_pool
 
 
 def test_allocates_in_free_queue_order_and_returns_to_the_back():

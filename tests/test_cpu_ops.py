@@ -10,7 +10,8 @@ import torch
 
 from engine.backends.custom import CustomBackend
 from engine.model import cpu_ops
-from engine.model.gemma import Attention, DecoderLayer, RMSNorm, _rotate
+from engine.model.gemma import Attention, DecoderLayer, RMSNorm, rotate
+from engine.model.optimize import CpuOpsAttention, FusedDecoderLayer, FusedRMSNorm
 from tests.conftest import needs_bf16
 from tests.paged_driver import PagedDriver, hf_model
 from tests.test_forward_gemma3 import gqa_config
@@ -85,11 +86,11 @@ def test_norm_rope_equals_norm_then_rotate_on_a_projection(tokens: int) -> None:
     keys = projected[:, heads * dim : (heads + kv_heads) * dim].reshape(tokens, kv_heads, dim)
     close(
         cpu_ops.norm_rope(projected, 0, heads, dim, q_scale, cos, sin, EPS),
-        _rotate(eager_norm(query, q_scale), cos, sin),
+        rotate(eager_norm(query, q_scale), cos, sin),
     )
     close(
         cpu_ops.norm_rope(projected, heads * dim, kv_heads, dim, k_scale, cos, sin, EPS),
-        _rotate(eager_norm(keys, k_scale), cos, sin),
+        rotate(eager_norm(keys, k_scale), cos, sin),
     )
 
 
@@ -223,8 +224,12 @@ def test_store_kv_equals_index_copy_of_the_cast_rows(pool_dtype, value_dtype) ->
 
 
 def fused_flags(backend: CustomBackend) -> set[bool]:
+    """Whether each norm, attention and layer runs the fused CPU kernels."""
+    fused = FusedRMSNorm | CpuOpsAttention | FusedDecoderLayer
     modules = backend.model.model.modules()
-    return {m.fused for m in modules if isinstance(m, RMSNorm | DecoderLayer | Attention)}
+    return {
+        isinstance(m, fused) for m in modules if isinstance(m, RMSNorm | DecoderLayer | Attention)
+    }
 
 
 @pytest.mark.parametrize("make_config", [gqa_config, full_featured_config])
@@ -235,8 +240,7 @@ def test_the_model_gives_the_same_logits_with_and_without_them(make_config, kern
     config = make_config()
     weights = hf_model(config, seed=3).state_dict()
     fused = CustomBackend(config, weights, CPU, torch.float32, 256, kernel)
-    eager = CustomBackend(config, weights, CPU, torch.float32, 256, kernel)
-    eager.model.fuse(False)
+    eager = CustomBackend(config, weights, CPU, torch.float32, 256, kernel, fuse_ops=False)
     assert fused_flags(fused) == {True} and fused_flags(eager) == {False}
     assert fused_flags(CustomBackend(config, weights, CPU, torch.float32, 256)) == {False}
 

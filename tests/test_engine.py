@@ -43,7 +43,7 @@ def prompts(loaded) -> list[list[int]]:
 
 def test_batched_sequences_match_each_alone(loaded, prompts):
     alone = [greedy_alone(loaded, p, 32) for p in prompts]
-    engine = new_engine(loaded, max_active_kv_tokens=1024)
+    engine = new_engine(loaded, max_active_tokens=1024)
     seqs = [Sequence(p, greedy(32)) for p in prompts]
     steps = run(engine, seqs)
     # One step prefills all six and samples their first token, then 31 decode steps of six.
@@ -60,7 +60,7 @@ def test_chunked_prefill_matches_one_chunk_and_never_stalls_decodes(loaded, prom
     budget = 128
     engine = new_engine(
         loaded,
-        max_active_kv_tokens=2048,
+        max_active_tokens=2048,
         scheduler=SchedulerConfig(max_num_batched_tokens=budget),
     )
     short = Sequence(prompts[0], greedy(16))
@@ -96,7 +96,7 @@ def test_contexts_past_the_window_in_shared_pages(loaded):
     alone = [greedy_alone(loaded, prompt, 8) for prompt in prompts]
     engine = new_engine(
         loaded,
-        max_active_kv_tokens=1200,  # 1,200 * 18 layers / (16 tokens * 3 layers) = 450 pages
+        max_active_tokens=1200,  # 1,200 * 18 layers / (16 tokens * 3 layers) = 450 pages
         scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=256),
     )
     pools = engine.kv.pools
@@ -115,7 +115,7 @@ def test_repeated_long_prompt_reuses_the_cached_prefix(loaded):
     prompt = long_prompt(loaded, 1000, topic="double")
     engine = new_engine(
         loaded,
-        max_active_kv_tokens=4096,
+        max_active_tokens=4096,
         scheduler=SchedulerConfig(max_num_batched_tokens=2048),
     )
     first, second = Sequence(prompt, greedy(4)), Sequence(prompt, greedy(4))
@@ -140,7 +140,7 @@ def test_repeated_long_prompt_reuses_the_cached_prefix(loaded):
 def test_preemption_under_a_tiny_kv_budget_keeps_outputs_and_frees_everything(loaded, prompts):
     alone = [greedy_alone(loaded, p, 32)[:16] for p in prompts]
     # 8 blocks of 16 tokens: each sequence fits alone (at most 28 + 15 tokens), all six do not.
-    engine = new_engine(loaded, max_active_kv_tokens=128)
+    engine = new_engine(loaded, max_active_tokens=128)
     seqs = [Sequence(p, greedy(16)) for p in prompts]
     for seq in seqs:
         assert engine.add(seq).accepted
@@ -161,7 +161,7 @@ def test_abort_mid_prefill_mid_decode_and_waiting_frees_every_block(loaded, prom
     short_alone = greedy_alone(loaded, prompts[0], 4)
     engine = new_engine(
         loaded,
-        max_active_kv_tokens=1024,
+        max_active_tokens=1024,
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=2),
     )
     decoding = Sequence(prompts[0], greedy(32))
@@ -176,11 +176,14 @@ def test_abort_mid_prefill_mid_decode_and_waiting_frees_every_block(loaded, prom
     assert decoding.num_output_tokens == 3
     assert 0 < prefilling.num_computed_tokens < prefilling.num_prompt_tokens
     assert not prefilling.output_token_ids and waiting.num_computed_tokens == 0
-    assert engine.kv.num_held_blocks(decoding) > 0 and engine.kv.num_held_blocks(prefilling) > 0
+    assert (
+        engine.kv.tables.num_held(decoding, "full") > 0
+        and engine.kv.tables.num_held(prefilling, "full") > 0
+    )
 
     for seq in (prefilling, decoding, waiting):
         assert engine.abort(seq.seq_id)
-        assert engine.kv.num_held_blocks(seq) == 0
+        assert engine.kv.tables.num_held(seq, "full") == 0
         assert seq.finish_reason is FinishReason.ABORT
     assert not engine.abort(decoding.seq_id)  # already gone
     assert not engine.has_work
@@ -204,7 +207,7 @@ async def _wait_until(condition, timeout_s: float = 120.0) -> None:
 
 async def test_async_engine_streams_concurrent_requests_and_frees_an_abandoned_one(loaded, prompts):
     alone = [greedy_alone(loaded, p, 6) for p in prompts[:4]]
-    engine = new_engine(loaded, max_active_kv_tokens=1024)
+    engine = new_engine(loaded, max_active_tokens=1024)
     server = AsyncEngine(lambda: engine)
     server.start()
     try:
@@ -239,9 +242,7 @@ async def test_async_engine_streams_concurrent_requests_and_frees_an_abandoned_o
 
 
 async def test_async_engine_refuses_when_the_queue_is_full(loaded, prompts):
-    engine = new_engine(
-        loaded, max_active_kv_tokens=256, scheduler=SchedulerConfig(max_queue_len=1)
-    )
+    engine = new_engine(loaded, max_active_tokens=256, scheduler=SchedulerConfig(max_queue_len=1))
     server = AsyncEngine(lambda: engine)
     server.start()
     try:
@@ -268,7 +269,7 @@ async def test_async_engine_refuses_when_the_queue_is_full(loaded, prompts):
 async def test_submitting_together_starts_a_requests_sequences_in_one_step(loaded, prompts):
     """The gateway submits a request's n choices inside submitting_together(): however long
     the submitting takes, the engine thread schedules none of them before all are in."""
-    engine = new_engine(loaded, max_active_kv_tokens=1024)
+    engine = new_engine(loaded, max_active_tokens=1024)
     server = AsyncEngine(lambda: engine)
     server.start()
     try:

@@ -30,7 +30,7 @@ def loaded(embedded_model):
 
 
 def test_next_turn_prefills_only_the_new_text(loaded):
-    engine = new_engine(loaded, max_active_kv_tokens=1024, block_size=BLOCK)
+    engine = new_engine(loaded, max_active_tokens=1024, block_size=BLOCK)
     turn1 = Sequence(
         encode(
             loaded,
@@ -61,13 +61,13 @@ def test_next_turn_prefills_only_the_new_text(loaded):
 
 
 def _held_indices(engine, seq, group: str) -> list[int]:
-    return [index for _, index in engine.kv.layout(seq)[group]]
+    return [index for _, index in engine.kv.tables.layout(seq)[group]]
 
 
 def test_eviction_policies_bound_each_sessions_kv(loaded):
     budget_tokens, num_tokens = 64, 200
     budget = budget_tokens // BLOCK
-    engine = new_engine(loaded, max_active_kv_tokens=1024, block_size=BLOCK)
+    engine = new_engine(loaded, max_active_tokens=1024, block_size=BLOCK)
     prompt = encode(loaded, PROMPTS[1])
     seqs = {
         policy: Sequence(
@@ -89,7 +89,7 @@ def test_eviction_policies_bound_each_sessions_kv(loaded):
         for policy, seq in seqs.items():
             if seq.is_finished:
                 continue
-            assert engine.kv.num_held_blocks(seq) <= budget
+            assert engine.kv.tables.num_held(seq, "full") <= budget
             full = _held_indices(engine, seq, "full")
             assert len(_held_indices(engine, seq, "sliding")) <= budget
             last = (seq.num_computed_tokens - 1) // BLOCK  # the block of the newest key
@@ -102,7 +102,7 @@ def test_eviction_policies_bound_each_sessions_kv(loaded):
             else:
                 # ceil(budget * 0.5) most recent blocks, the rest chosen by attention mass
                 assert full[-2:] == [last - 1, last] or len(full) < 2
-                h2o_state = engine.kv._seqs[seq.seq_id]
+                h2o_state = engine.kv.tables.seqs[seq.seq_id]
                 assert h2o_state.scores, "h2o got no attention mass from the backend"
                 assert set(h2o_state.scores) <= set(full)
                 assert all(score > 0 for score in h2o_state.scores.values())
@@ -116,5 +116,7 @@ def test_eviction_policies_bound_each_sessions_kv(loaded):
     assert seqs["lru"].output_token_ids[:unaffected] == seqs["sink"].output_token_ids[:unaffected]
     assert seqs["lru"].output_token_ids[:unaffected] == seqs["h2o"].output_token_ids[:unaffected]
     # Each evicted at least (prompt + 199 computed tokens) / 16 - budget blocks.
-    assert engine.kv.num_evicted_blocks >= 3 * ((len(prompt) + num_tokens - 1) // BLOCK - budget)
+    assert engine.kv.eviction.num_evicted_blocks >= 3 * (
+        (len(prompt) + num_tokens - 1) // BLOCK - budget
+    )
     assert_all_released(engine.kv)

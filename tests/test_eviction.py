@@ -4,6 +4,7 @@ import torch
 from engine.kv.eviction import H2OEviction, LRUEviction, NoEviction, SinkEviction, make_policy
 from engine.kv.layout import CacheGroupSpec
 from engine.kv.manager import KVCacheManager
+from engine.kv.session_eviction import KeyMass
 from tests.kv_invariants import (
     assert_all_released,
     attended_keys,
@@ -62,16 +63,16 @@ def test_lru_session_keeps_generating_with_bounded_memory():
     prefill(kv, other)  # occupies physical blocks 0 and 1, so physical != logical below
     seq = make_seq(list(range(6)), eviction_policy="lru", max_kv_tokens=8)
     prefill(kv, seq)
-    assert kv.layout(seq)["full"] == [(2, 0), (3, 1)]
+    assert kv.tables.layout(seq)["full"] == [(2, 0), (3, 1)]
     decode(kv, seq, [10, 11, 12, 13, 14, 15, 16])
     assert seq.num_computed_tokens == 13
     # Oldest blocks dropped; kept keys keep their original positions.
-    assert kv.layout(seq)["full"] == [(4, 2), (5, 3)]
+    assert kv.tables.layout(seq)["full"] == [(4, 2), (5, 3)]
     assert attended_keys(kv, seq, 1)["full"] == (
         [16, 17, 18, 19, 20, 21],
         [8, 9, 10, 11, 12, 13],
     )
-    assert kv.num_held_blocks(seq) == 2
+    assert kv.tables.num_held(seq, "full") == 2
     assert kv.stats()["evicted_blocks"] == 2
     # Blocks 0 and 1 were published before the first eviction; nothing after it is.
     assert kv.cache.num_nodes == 2 + 2
@@ -88,7 +89,7 @@ def test_sink_during_chunked_prefill():
     held_after_each_chunk = []
     for _ in range(5):
         step(kv, seq, 4)
-        held_after_each_chunk.append([logical for _, logical in kv.layout(seq)["full"]])
+        held_after_each_chunk.append([logical for _, logical in kv.tables.layout(seq)["full"]])
     assert held_after_each_chunk == [[0], [0, 1], [0, 1, 2], [0, 2, 3], [0, 3, 4]]
     assert kv.cache.num_nodes == 4  # blocks 0..3 were published before block 1 was dropped
     assert kv.cache.num_exact_entries == 0  # the prompt's KV is incomplete: not indexed
@@ -100,7 +101,7 @@ def test_budget_below_the_policy_minimum_is_raised():
     kv = KVCacheManager([FULL], num_blocks=16, block_size=BS)
     seq = make_seq(list(range(20)), eviction_policy="sink", max_kv_tokens=4)
     prefill(kv, seq)
-    assert [logical for _, logical in kv.layout(seq)["full"]] == [0, 4]  # sink + 1 recent
+    assert [logical for _, logical in kv.tables.layout(seq)["full"]] == [0, 4]  # sink + 1 recent
     kv.free(seq)
     assert_all_released(kv)
 
@@ -116,18 +117,18 @@ def test_h2o_keeps_the_block_that_received_the_most_attention():
         assert kv.allocate(seq, 1)
         slots, positions = attended_keys(kv, seq, 1)["full"]
         mass = torch.tensor([1.0 if p // BS == heavy_block else 0.1 for p in positions])
-        kv.record_attention(seq, mass, torch.tensor(slots))
+        kv.record_attention(seq, KeyMass(torch.tensor(slots), mass))
         seq.num_computed_tokens += 1
         seq.output_token_ids.append(0)
         kv.commit(seq)
 
     decode_with_attention(heavy_block=1)  # position 12 opens block 3: 4 blocks > 3
     # Recent window: blocks 2, 3; among 0 and 1, block 1 got the attention.
-    assert [logical for _, logical in kv.layout(seq)["full"]] == [1, 2, 3]
-    assert kv._seqs[seq.seq_id].scores == pytest.approx({1: 4.0, 2: 0.4, 3: 0.1})
+    assert [logical for _, logical in kv.tables.layout(seq)["full"]] == [1, 2, 3]
+    assert kv.tables.seqs[seq.seq_id].scores == pytest.approx({1: 4.0, 2: 0.4, 3: 0.1})
     for _ in range(4):  # positions 13..16: block 4 opens
         decode_with_attention(heavy_block=1)
-    assert [logical for _, logical in kv.layout(seq)["full"]] == [1, 3, 4]
+    assert [logical for _, logical in kv.tables.layout(seq)["full"]] == [1, 3, 4]
     kv.free(seq)
     assert_all_released(kv)
 
@@ -136,7 +137,7 @@ def test_no_budget_means_no_eviction_and_unknown_policies_fail_loudly():
     kv = KVCacheManager([FULL], num_blocks=16, block_size=BS)
     unbounded = make_seq(list(range(20)), eviction_policy="lru")
     prefill(kv, unbounded)
-    assert kv.num_held_blocks(unbounded) == 5
+    assert kv.tables.num_held(unbounded, "full") == 5
     bad = make_seq(list(range(8)), eviction_policy="fifo", max_kv_tokens=4)
     kv.match_prefix(bad)
     assert kv.allocate(bad, 8)

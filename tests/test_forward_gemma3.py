@@ -203,7 +203,8 @@ def test_real_model_hf_backend_matches_custom(real):
 def test_both_backends_take_every_weights_mode(setup, weights):
     """Every WEIGHTS mode this CPU offers builds under both backends, with the same kernel for
     the layers and for the LM head (bf16-int8head splits them), and they agree."""
-    from engine.model.linear_kernels import body_and_head, has_bf16, kernel_for
+    from engine.model.cpu_features import has_bf16
+    from engine.model.kernel_select import body_and_head, kernel_for
 
     if weights.startswith("bf16") and not has_bf16():
         pytest.skip("this CPU has no oneDNN bfloat16 GEMM")

@@ -18,13 +18,10 @@ from transformers import Gemma4TextConfig
 from engine.backends.custom import CustomBackend
 from engine.backends.hf import HFBackend
 from engine.model.architecture import architecture_from_config
-from engine.model.linear_kernels import (
-    BFloat16GatedMLP,
-    DynamicInt8Linear,
-    int8_linear_class,
-    make_linear,
-    quantize_model,
-)
+from engine.model.int8_kernels import DynamicInt8Linear
+from engine.model.kernel_select import int8_linear_class, make_linear, quantize_model
+from engine.model.linear_kernels import BFloat16GatedMLP
+from engine.model.optimize import GateUpMLP
 from engine.runner import ModelRunner
 from tests.conftest import bf16_param
 from tests.forward_contract import (  # noqa: F401  (shared tests, collected in this module too)
@@ -176,13 +173,10 @@ def test_fused_projections_compute_what_separate_ones_do(setup, kernel):
     float32 instead: each step within 5% of it, the fused no further on average than the
     separate linears (both measured 1.5% here)."""
     _, config, _, weights = setup
-    fused = CustomBackend(config, weights, CPU, torch.float32, 256, kernel)
-    fused.model.fuse(False)  # the separate linears' eager norms, RoPE and residual adds
+    # The separate linears' eager norms, RoPE and residual adds on both sides.
+    fused = CustomBackend(config, weights, CPU, torch.float32, 256, kernel, fuse_ops=False)
     mlps = [layer.mlp for layer in fused.model.model.layers]
-    if kernel == "bf16":
-        assert all(isinstance(mlp.fused, BFloat16GatedMLP) for mlp in mlps)
-    else:
-        assert all(mlp.gate_up_proj is not None for mlp in mlps)
+    assert all(isinstance(mlp, BFloat16GatedMLP if kernel == "bf16" else GateUpMLP) for mlp in mlps)
     separate = CustomBackend(config, weights, CPU, torch.float32, 256)
     quantize_model(separate.model.model, kernel)
     separate.model.fast_head = make_linear(kernel, separate.model.lm_head_weight)

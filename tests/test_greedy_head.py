@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.llm_engine import EngineConfig
+from engine.config import EngineConfig, KVConfig
 from engine.model import cpu_ops
 from engine.offline import LLM
 from engine.sampling import SamplingParams
@@ -34,7 +34,7 @@ def llm(embedded_model) -> LLM:
         device="cpu",
         weights="int8",
         numerics="fast",
-        config=EngineConfig(max_active_kv_tokens=4096, enable_prefix_caching=False),
+        config=EngineConfig(kv=KVConfig(max_active_tokens=4096, enable_prefix_caching=False)),
     )
 
 

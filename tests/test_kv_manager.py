@@ -4,6 +4,7 @@ import pytest
 
 from engine.kv.layout import CacheGroupSpec
 from engine.kv.manager import KVCacheManager
+from engine.kv.session_eviction import KeyMass
 from tests.kv_invariants import (
     assert_all_released,
     attended_keys,
@@ -20,27 +21,27 @@ SLIDING = CacheGroupSpec("sliding", (1,), 8, 32)
 
 
 def logical(kv, seq, group="full"):
-    return [index for _, index in kv.layout(seq)[group]]
+    return [index for _, index in kv.tables.layout(seq)[group]]
 
 
 def test_fresh_sequence_layout_slots_and_keys():
     kv = KVCacheManager([FULL], num_blocks=8, block_size=BS)
     seq = make_seq(list(range(10)))
     assert kv.match_prefix(seq) == 0
-    assert kv.blocks_needed(seq, 10) == 3 and kv.can_allocate(seq, 10)
+    assert kv.tables.blocks_needed(seq, 10) == 3 and kv.can_allocate(seq, 10)
     assert kv.allocate(seq, 10)
-    assert kv.layout(seq) == {"full": [(0, 0), (1, 1), (2, 2)]}
-    assert kv.slots_for_new_tokens(seq, 10) == {"full": list(range(10))}
+    assert kv.tables.layout(seq) == {"full": [(0, 0), (1, 1), (2, 2)]}
+    assert kv.tables.slots_for_new_tokens(seq, 10) == {"full": list(range(10))}
     assert attended_keys(kv, seq, 10) == {"full": (list(range(10)), list(range(10)))}
     assert (kv.num_free_blocks, kv.max_blocks_per_sequence, kv.usage) == (5, 8, 3 / 8)
     seq.num_computed_tokens = 10
     seq.output_token_ids.append(5)
     kv.commit(seq)
-    assert kv.blocks_needed(seq, 1) == 0  # position 10 is in block 2
-    assert kv.allocate(seq, 1) and kv.slots_for_new_tokens(seq, 1) == {"full": [10]}
+    assert kv.tables.blocks_needed(seq, 1) == 0  # position 10 is in block 2
+    assert kv.allocate(seq, 1) and kv.tables.slots_for_new_tokens(seq, 1) == {"full": [10]}
     kv.free(seq)
     kv.free(seq)  # idempotent
-    assert kv.layout(seq) == {"full": []}
+    assert kv.tables.layout(seq) == {"full": []}
     assert_all_released(kv)
 
 
@@ -51,9 +52,9 @@ def test_allocate_is_all_or_nothing():
     assert kv.allocate(a, 12)
     b = make_seq(list(range(50, 58)))
     kv.match_prefix(b)
-    assert kv.blocks_needed(b, 8) == 2 and not kv.can_allocate(b, 8)
+    assert kv.tables.blocks_needed(b, 8) == 2 and not kv.can_allocate(b, 8)
     assert not kv.allocate(b, 8)
-    assert kv.layout(b) == {"full": [], "sliding": []}
+    assert kv.tables.layout(b) == {"full": [], "sliding": []}
     assert kv.num_free_blocks == 1
     assert kv.allocate(b, 4)
     assert kv.num_free_blocks == 0
@@ -70,7 +71,7 @@ def test_sliding_group_frees_blocks_out_of_the_window():
     prefill(kv, seq)
     # Window 8 at 20 computed tokens: keys from position 12 on are kept, blocks 0..2 go.
     assert logical(kv, seq, "full") == [0, 1, 2, 3, 4]
-    assert kv.layout(seq)["sliding"] == [(3, 3), (4, 4)]
+    assert kv.tables.layout(seq)["sliding"] == [(3, 3), (4, 4)]
     groups = kv.stats()["groups"]
     assert groups["sliding"] == {
         "total": 32,
@@ -97,9 +98,9 @@ def test_sliding_group_frees_blocks_out_of_the_window():
     other = make_seq([*seq.token_ids[:20], 900, 901, 902])
     assert kv.match_prefix(other) == 20
     assert logical(kv, other, "full") == [0, 1, 2, 3, 4]
-    assert kv.layout(other)["sliding"] == [(3, 3), (4, 4)]
+    assert kv.tables.layout(other)["sliding"] == [(3, 3), (4, 4)]
     assert kv.allocate(other, 3) and kv.take_block_copies() == []
-    assert kv.layout(other)["sliding"] == [(3, 3), (4, 4), (6, 5)]
+    assert kv.tables.layout(other)["sliding"] == [(3, 3), (4, 4), (6, 5)]
     check_manager(kv)
     kv.free(seq)
     kv.free(other)
@@ -134,7 +135,7 @@ def test_preempted_sequence_recomputes_only_past_its_cached_blocks():
     seq.num_preemptions += 1
     assert kv.match_prefix(seq) == 12
     assert seq.num_cached_prompt_tokens == 10
-    assert kv.blocks_needed(seq, 2) == 1
+    assert kv.tables.blocks_needed(seq, 2) == 1
     step(kv, seq, 2, sampled=24)
     assert logical(kv, seq) == [0, 1, 2, 3] and kv.take_block_copies() == []
     kv.free(seq)
@@ -203,7 +204,7 @@ class SimulatedCache:
         self.expected: dict[int, dict[int, object]] = {}
 
     def fingerprint(self, seq, position):
-        state = self.kv._seqs.get(seq.seq_id)
+        state = self.kv.tables.seqs.get(seq.seq_id)
         if state is not None and state.first_evicted is not None:
             return ("computed without evicted context", seq.seq_id, position)
         return hash((seq.cache_salt, tuple(seq.token_ids[: position + 1])))
@@ -222,7 +223,7 @@ class SimulatedCache:
                     memory[c.dst * BS + offset] = value
 
     def write(self, seq, num_new):
-        for group, slots in self.kv.slots_for_new_tokens(seq, num_new).items():
+        for group, slots in self.kv.tables.slots_for_new_tokens(seq, num_new).items():
             for i, slot in enumerate(slots):
                 position = seq.num_computed_tokens + i
                 self.memory[group][slot] = self.fingerprint(seq, position)
@@ -301,7 +302,7 @@ def run_stress(seed: int, groups, num_blocks: int, caching: bool, rounds: int = 
         for seq, num_new in batch:
             slots = sim.attend(seq, num_new)
             if kv.wants_attention(seq):
-                kv.record_attention(seq, [rng.random() for _ in slots], slots)
+                kv.record_attention(seq, KeyMass(slots, [rng.random() for _ in slots]))
         for seq, num_new in batch:
             seq.num_computed_tokens += num_new
             if seq.num_computed_tokens == seq.num_tokens:

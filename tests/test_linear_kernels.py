@@ -17,24 +17,23 @@ import torch.nn.functional as F
 
 from engine.backends.custom import CustomBackend
 from engine.model import cpu_ops
+from engine.model.cpu_features import has_amx, has_bf16, int8_weight_max
+from engine.model.int8_kernels import DynamicInt8Linear, OneDNNInt8Linear
+from engine.model.kernel_select import (
+    body_and_head,
+    int8_linear_class,
+    kernel_for,
+    make_linear,
+    quantize_model,
+    warm_up,
+)
 from engine.model.linear_kernels import (
     BFloat16GatedMLP,
     BFloat16Linear,
-    DynamicInt8Linear,
-    OneDNNInt8Linear,
     PackedLinear,
-    body_and_head,
-    has_amx,
-    has_bf16,
-    int8_linear_class,
-    int8_weight_max,
-    kernel_for,
-    make_linear,
     padded_rows,
-    quantize_model,
     row_bucket,
     row_buckets,
-    warm_up,
 )
 from tests.conftest import bf16_param, needs_bf16
 from tests.paged_driver import PagedDriver

@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4TextConfig
 
 from engine.backends.custom import CustomBackend
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig, KVConfig
+from engine.llm_engine import LLMEngine
 from engine.model.batch import ForwardBatch, GroupAttention
 from engine.model.loader import ModelLoadError, embedded_checkpoint_dir, load_model
 from engine.request import Sequence
@@ -98,10 +99,9 @@ def test_the_engine_serves_a_gemma4_checkpoint_on_shared_pages(tmp_path, referen
         loaded,
         backend,
         EngineConfig(
-            block_size=4,
             # 48 tokens of 32 K elements (8 + 8 + 16): 24 pages of 4 tokens of 16. The three
             # hold 22 pages at their peak, 26 without the window.
-            max_active_kv_tokens=48,
+            kv=KVConfig(block_size=4, max_active_tokens=48),
             scheduler=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16),
         ),
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.llm_engine import EngineConfig
+from engine.config import EngineConfig, KVConfig
 from engine.model.loader import ModelLoadError
 from engine.offline import LLM
 from engine.request import FinishReason, Sequence
@@ -26,8 +26,9 @@ def llm(embedded_model) -> LLM:
     return LLM(
         embedded_model,
         device="cpu",
+        weights="fp32",  # exact: the logprob tests compare against a separate forward
         config=EngineConfig(
-            max_active_kv_tokens=KV_TOKENS, scheduler=SchedulerConfig(max_queue_len=2)
+            kv=KVConfig(max_active_tokens=KV_TOKENS), scheduler=SchedulerConfig(max_queue_len=2)
         ),
     )
 

@@ -9,22 +9,23 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import cpu_ops
-from engine.model.linear_kernels import (
-    AMX_BF16_MAX_ROWS,
+from engine.model.cpu_features import has_amx, int8_weight_max
+from engine.model.int8_kernels import (
     AMX_INT8_MAX_ROWS,
-    OUTPUT_SLICE,
-    PACKED_BF16_MAX_ROWS,
     PACKED_INT8_MAX_ROWS,
-    BFloat16GatedMLP,
-    BFloat16Linear,
     DynamicInt8Linear,
     OneDNNInt8Linear,
+)
+from engine.model.kernel_select import warm_up
+from engine.model.linear_kernels import (
+    AMX_BF16_MAX_ROWS,
+    OUTPUT_SLICE,
+    PACKED_BF16_MAX_ROWS,
+    BFloat16GatedMLP,
+    BFloat16Linear,
     PackedLinear,
     _alternate_tiles,
-    has_amx,
-    int8_weight_max,
     row_buckets,
-    warm_up,
 )
 from tests.conftest import needs_bf16
 

@@ -12,8 +12,8 @@ from transformers import Gemma3TextConfig, Gemma4TextConfig
 from engine.backends.custom import CustomBackend
 from engine.backends.hf import HFBackend
 from engine.device import parse_dtype, resolve_device, resolve_dtype
-from engine.kv.manager import BlockCopy
-from engine.model import paged_attention
+from engine.kv.block_tables import BlockCopy
+from engine.model import attention_chunks, paged_attention
 from engine.model.architecture import architecture_from_config
 from engine.model.batch import ForwardBatch, GroupAttention
 from engine.model.kv_cache import PagedKVCache, cache_group_specs
@@ -116,7 +116,7 @@ def reference(query, key_pool, value_pool, batch, group, window, scaling, softca
 @pytest.mark.parametrize("query_slices", ["whole", "one row each"])
 def test_mixed_batch_matches_reference(group_name, layer, softcap, query_slices, monkeypatch):
     if query_slices == "one row each":
-        monkeypatch.setattr(paged_attention, "MAX_SCORES_PER_SLICE", 1)
+        monkeypatch.setattr(attention_chunks, "MAX_SCORES_PER_SLICE", 1)
     arch, cache, generator = random_cache(layer, seed=0)
     batch = mixed_batch(collect_attention=True)
     window = arch.window_of_group(group_name)
@@ -154,7 +154,7 @@ def test_fused_attention_matches_reference(group_name, layer, collect_attention,
     arch, cache, generator = random_cache(layer, seed=1)
     batch = mixed_batch(collect_attention=collect_attention)
     if not collect_attention:  # the explicit path must not run at all
-        monkeypatch.setattr(paged_attention, "_attend_chunk", None)
+        monkeypatch.setattr(paged_attention, "attend_chunk", None)
     windows = {"full": None, "sliding": WINDOW}
     step = PagedAttentionStep(batch, cache, windows, CPU, torch.float32, fused=True)
     query = torch.randn(9, HEADS, HEAD_DIM, generator=generator)
@@ -213,10 +213,10 @@ def test_fused_fresh_prompt_reads_its_own_keys(group_name, layer, monkeypatch):
     flags = [chunk.causal_fresh for chunk in step.plans[group_name].chunks]
     assert flags == [False, False, True]  # the decodes, the cached-prefix chunk, the fresh one
     gathered = []
-    real_gather = paged_attention._gather_keys_values
+    real_gather = attention_chunks.gather_keys_values
     monkeypatch.setattr(
-        paged_attention,
-        "_gather_keys_values",
+        attention_chunks,
+        "gather_keys_values",
         lambda chunk, *pools: gathered.append(chunk.q_len) or real_gather(chunk, *pools),
     )
     new_keys = torch.randn(9, KV_HEADS, HEAD_DIM, generator=generator)

@@ -14,7 +14,8 @@ from tokenizers import Tokenizer, models
 from transformers import Gemma3TextConfig, PreTrainedTokenizerFast
 
 from engine.backends.custom import CustomBackend
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig, KVConfig
+from engine.llm_engine import LLMEngine
 from engine.prompt_logprobs import SLICE_ROWS
 from engine.request import FinishReason, Sequence
 from engine.sampling import SamplingParams
@@ -51,7 +52,8 @@ def test_prompt_logprobs_match_transformers_on_the_device(device):
         config, reference.state_dict(), torch.device(device), torch.float32, 256
     )
     engine_config = EngineConfig(
-        scheduler=SchedulerConfig(max_num_batched_tokens=512), max_active_kv_tokens=2048
+        scheduler=SchedulerConfig(max_num_batched_tokens=512),
+        kv=KVConfig(max_active_tokens=2048),
     )
     engine = LLMEngine(backend, _tokenizer(), [1], engine_config)
     generator = torch.Generator().manual_seed(6)

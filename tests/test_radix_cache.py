@@ -1,10 +1,11 @@
 from engine.kv.block_pool import BlockPool
+from engine.kv.block_tables import BlockCopy
+from engine.kv.integrity import check_cache
 from engine.kv.layout import CacheGroupSpec
-from engine.kv.manager import BlockCopy, KVCacheManager
+from engine.kv.manager import KVCacheManager
 from engine.kv.prefix_cache import PrefixCache
 from tests.kv_invariants import (
     assert_all_released,
-    check_cache,
     check_manager,
     decode,
     make_seq,
@@ -125,10 +126,10 @@ def test_leaves_are_reclaimed_least_recently_used_first():
     assert kv.pools["full"].reclaim_order() == [2, 1, 0]  # released deepest first
     b = make_seq(list(range(200, 208)))
     prefill(kv, b)
-    assert kv.layout(b)["full"] == [(3, 0), (4, 1)]
+    assert kv.tables.layout(b)["full"] == [(3, 0), (4, 1)]
     c = make_seq(list(range(300, 312)))
     assert kv.match_prefix(c) == 0 and kv.allocate(c, 12)
-    assert kv.layout(c)["full"] == [(5, 0), (2, 1), (1, 2)]  # free block, then a's leaves
+    assert kv.tables.layout(c)["full"] == [(5, 0), (2, 1), (1, 2)]  # free block, then a's leaves
     assert kv.cache.num_nodes == 3  # a's first block + b's two
     assert kv.stats()["groups"]["full"]["reclaimed"] == 2
     again = make_seq(list(range(12)))
@@ -151,13 +152,13 @@ def test_exact_index_reuses_a_repeated_prompt_including_its_partial_block():
     b = make_seq(prompt)
     assert kv.match_prefix(b) == 9  # all but the last prompt token
     assert (b.num_computed_tokens, b.num_cached_prompt_tokens) == (9, 9)
-    assert kv.layout(b)["full"] == [(0, 0), (1, 1), (2, 2)]
+    assert kv.tables.layout(b)["full"] == [(0, 0), (1, 1), (2, 2)]
     assert kv.allocate(b, 1)
     # Block 2 is cached, and b writes position 9 into it: b gets its own copy first.
     assert kv.take_block_copies() == [BlockCopy("full", 2, 3)]
     assert kv.take_block_copies() == []
-    assert kv.layout(b)["full"] == [(0, 0), (1, 1), (3, 2)]
-    assert kv.slots_for_new_tokens(b, 1) == {"full": [3 * BS + 1]}
+    assert kv.tables.layout(b)["full"] == [(0, 0), (1, 1), (3, 2)]
+    assert kv.tables.slots_for_new_tokens(b, 1) == {"full": [3 * BS + 1]}
     stats = kv.stats()
     assert stats["cow_copies"] == 1
     keys = ("queries", "query_tokens", "hit_tokens", "exact_hits")
@@ -183,7 +184,7 @@ def test_exact_index_points_at_the_node_once_output_fills_the_prompt_block():
     b = make_seq(prompt)
     assert kv.match_prefix(b) == 9
     assert kv.cache.stats()["exact_hits"] == 1
-    assert kv.layout(b)["full"] == [(0, 0), (1, 1), (2, 2)]
+    assert kv.tables.layout(b)["full"] == [(0, 0), (1, 1), (2, 2)]
     assert kv.allocate(b, 1)
     assert kv.take_block_copies() == [BlockCopy("full", 2, 3)]
     kv.free(b)
@@ -198,7 +199,7 @@ def test_exact_entry_is_dropped_when_its_partial_block_is_reclaimed():
     kv.free(a)
     other = make_seq(list(range(100, 106)))
     prefill(kv, other)  # takes free block 3, then reclaims the LRU block: a's partial block 2
-    assert kv.layout(other)["full"] == [(3, 0), (2, 1)]
+    assert kv.tables.layout(other)["full"] == [(3, 0), (2, 1)]
     assert kv.cache.num_exact_entries == 1  # other's own prompt; a's entry is gone
     kv.free(other)
     b = make_seq(prompt)
@@ -217,7 +218,7 @@ def test_whole_sequence_in_full_blocks_recomputes_only_the_last_token():
     assert kv.match_prefix(b) == 7
     assert kv.allocate(b, 1)
     assert kv.take_block_copies() == [BlockCopy("full", 1, 3)]
-    assert kv.layout(b)["full"] == [(0, 0), (3, 1)]
+    assert kv.tables.layout(b)["full"] == [(0, 0), (3, 1)]
     kv.free(b)
     assert_all_released(kv)
 
@@ -241,13 +242,13 @@ def test_concurrent_identical_prompts_end_up_sharing_blocks():
     a, b = make_seq(list(range(9))), make_seq(list(range(9)))
     assert kv.match_prefix(a) == 0 and kv.match_prefix(b) == 0  # nothing cached yet
     assert kv.allocate(a, 9) and kv.allocate(b, 9)
-    assert kv.layout(b)["full"] == [(3, 0), (4, 1), (5, 2)]
+    assert kv.tables.layout(b)["full"] == [(3, 0), (4, 1), (5, 2)]
     for seq in (a, b):
         seq.num_computed_tokens = 9
         seq.output_token_ids.append(1)
         kv.commit(seq)
     # b found a's published blocks and switched to them, freeing its own duplicates.
-    assert kv.layout(b)["full"] == [(0, 0), (1, 1), (5, 2)]
+    assert kv.tables.layout(b)["full"] == [(0, 0), (1, 1), (5, 2)]
     assert kv.pools["full"].live[0].ref_count == 2
     assert kv.num_free_blocks == 16 - 4
     check_manager(kv)

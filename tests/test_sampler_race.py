@@ -2,7 +2,7 @@
 reference written here from the specification, its distribution against softmax computed here
 in float64, and what it promises that an inverse-CDF draw did not: a seeded token that survives
 logits changed in their last bits. Paths: "kernel" is the C++ kernel (cpu_ops.gumbel_argmax),
-"torch" the same race in torch ops (_race_torch), which runs where the kernel does not."""
+"torch" the same race in torch ops (race_torch), which runs where the kernel does not."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ import torch
 
 from engine import sampler as sampler_module
 from engine.model import cpu_ops
-from engine.sampler import Sampler, SamplingRow, _keys, _race_torch
+from engine.random_draw import race_torch
+from engine.sampler import Sampler, SamplingRow, _keys
 from engine.sampling import SamplingParams
 from tests.conftest import ROOT
 
@@ -68,7 +69,7 @@ def race(path: str, logits, inverse_temperature, keys, ids=None) -> list[int]:
     keys = torch.as_tensor(keys, dtype=torch.long)
     if path == "kernel":
         return cpu_ops.gumbel_argmax(logits, inverse_temperature, keys, ids).tolist()
-    return _race_torch(logits, inverse_temperature, keys, ids).tolist()
+    return race_torch(logits, inverse_temperature, keys, ids).tolist()
 
 
 @pytest.fixture(params=PATHS)
@@ -176,10 +177,10 @@ def test_the_torch_race_on_cuda_is_the_reference():
     clear = order[:, -1] - order[:, -2] > 1e-9
     cuda = torch.device("cuda")
     key_tensor = torch.tensor(keys, device=cuda)
-    got = _race_torch(logits.to(cuda), inverse.to(cuda), key_tensor).cpu().numpy()
+    got = race_torch(logits.to(cuda), inverse.to(cuda), key_tensor).cpu().numpy()
     assert (got[clear] == scores.argmax(axis=1)[clear]).all()
     ids = torch.arange(50_000).flip(0).expand(32, -1).contiguous()
-    flipped = _race_torch(logits.flip(1).to(cuda), inverse.to(cuda), key_tensor, ids.to(cuda))
+    flipped = race_torch(logits.flip(1).to(cuda), inverse.to(cuda), key_tensor, ids.to(cuda))
     assert (flipped.cpu().numpy()[clear] == got[clear]).all()
 
 
@@ -191,7 +192,7 @@ def test_kernel_and_torch_agree_on_a_large_vocabulary():
     inverse = torch.rand(64, generator=generator) * 2 + 0.3
     keys = torch.randint(2**63 - 1, (64,), generator=generator)
     kernel = cpu_ops.gumbel_argmax(logits, inverse, keys)
-    assert torch.equal(kernel, _race_torch(logits, inverse, keys))
+    assert torch.equal(kernel, race_torch(logits, inverse, keys))
 
 
 @pytest.mark.parametrize("path_name", PATHS)

@@ -73,8 +73,8 @@ def test_num_computed_tokens_advances_in_update_not_in_schedule():
     assert plan(out) == [(a.seq_id, 0, 4, False)]
     # During the step the KV manager still addresses from the old position.
     assert a.num_computed_tokens == 0
-    block = kv.layout(a)["full"][0][0]
-    assert kv.slots_for_new_tokens(a, 4)["full"] == [block * 4 + i for i in range(4)]
+    block = kv.tables.layout(a)["full"][0][0]
+    assert kv.tables.slots_for_new_tokens(a, 4)["full"] == [block * 4 + i for i in range(4)]
     sched.update(out)
     assert a.num_computed_tokens == 4 and a.num_output_tokens == 0
 
@@ -228,7 +228,7 @@ def test_abort_between_schedule_and_update_is_skipped_by_update():
     a.output_token_ids.append(7)
     sched.update(out)
     assert a.num_computed_tokens == 4 and b.num_computed_tokens == 0
-    assert kv.num_held_blocks(b) == 0 and kv.num_held_blocks(a) == 1
+    assert kv.tables.num_held(b, "full") == 0 and kv.tables.num_held(a, "full") == 1
 
 
 # ---------------------------------------------------------------- admission and backpressure

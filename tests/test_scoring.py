@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from engine.backends import create_backend
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.model.linear_kernels import kernel_for
+from engine.config import EngineConfig, KVConfig
+from engine.llm_engine import LLMEngine
+from engine.model.kernel_select import kernel_for
 from engine.prompt_logprobs import positions_to_score
 from engine.request import FinishReason, Sequence, TokenLogprob
 from engine.sampling import SamplingParams
@@ -72,7 +73,8 @@ def reference(embedded_model):
 def _engine(embedded_model, kernel: str, budget: int) -> LLMEngine:
     backend = create_backend("custom", embedded_model, torch.device("cpu"), torch.float32, kernel)
     config = EngineConfig(
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget), max_active_kv_tokens=4096
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget),
+        kv=KVConfig(max_active_tokens=4096),
     )
     return LLMEngine.for_model(embedded_model, backend, config)
 
@@ -120,7 +122,7 @@ def test_exact_prompt_logprobs_equal_transformers_after_a_cache_hit_in_a_batch(
 
 @pytest.mark.parametrize("kernel", ["bf16-int8head", "int8"])
 def test_approximate_kernels_prompt_logprobs_are_bounded(embedded_model, reference, kernel):
-    from engine.model.linear_kernels import has_bf16
+    from engine.model.cpu_features import has_bf16
 
     if kernel.startswith("bf16") and not has_bf16():
         pytest.skip("this CPU has no oneDNN bfloat16 GEMM")

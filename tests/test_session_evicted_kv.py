@@ -8,6 +8,7 @@ from math import ceil
 
 from engine.kv.layout import CacheGroupSpec
 from engine.kv.manager import KVCacheManager
+from engine.kv.session_eviction import KeyMass
 from engine.request import Sequence
 from engine.sampling import SamplingParams
 from tests.kv_invariants import assert_all_released, attended_keys, check_manager, decode, step
@@ -54,13 +55,13 @@ def test_ten_turns_prefill_only_their_new_tokens_in_bounded_memory() -> None:
             before = seq.num_computed_tokens
             assert kv.allocate(seq, num_new)
             # Held: at most the budget plus the blocks of one step's chunk.
-            assert kv.num_held_blocks(seq) <= BUDGET + ceil(num_new / BS)
-            assert kv.pools["full"].num_in_use == kv.num_held_blocks(seq)
+            assert kv.tables.num_held(seq, "full") <= BUDGET + ceil(num_new / BS)
+            assert kv.pools["full"].num_in_use == kv.tables.num_held(seq, "full")
             seq.num_computed_tokens = before + num_new
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.output_token_ids.append(50 + number)
             kv.commit(seq)
-            assert kv.num_held_blocks(seq) <= BUDGET
+            assert kv.tables.num_held(seq, "full") <= BUDGET
         decode(kv, seq, [60 + number, 70 + number])
         check_manager(kv)
         kv.free(seq, pin_at=float(number))
@@ -92,8 +93,8 @@ def test_an_adopted_state_keeps_every_position() -> None:
     first = first_turn(kv)  # 27 tokens, 26 computed: blocks 0, 4, 5, 6 held
     second = turn([*first.token_ids, 80, 81, 82])
     assert kv.match_prefix(second) == 26
-    assert [index for _, index in kv.layout(second)["full"]] == [0, 4, 5, 6]
-    assert [index for _, index in kv.layout(second)["sliding"]] == [4, 5, 6]  # window of 8
+    assert [index for _, index in kv.tables.layout(second)["full"]] == [0, 4, 5, 6]
+    assert [index for _, index in kv.tables.layout(second)["sliding"]] == [4, 5, 6]  # window of 8
     assert kv.allocate(second, 4)
     slots, positions = attended_keys(kv, second, 4)["full"]
     assert positions == [0, 1, 2, 3, *range(16, 30)]  # original positions, new ones after
@@ -103,8 +104,8 @@ def test_an_adopted_state_keeps_every_position() -> None:
     second.num_computed_tokens = 30
     second.output_token_ids.append(90)
     kv.commit(second)
-    assert [index for _, index in kv.layout(second)["full"]] == [0, 5, 6, 7]
-    assert [index for _, index in kv.layout(second)["sliding"]] == [5, 6, 7]
+    assert [index for _, index in kv.tables.layout(second)["full"]] == [0, 5, 6, 7]
+    assert [index for _, index in kv.tables.layout(second)["sliding"]] == [5, 6, 7]
     check_manager(kv)
     kv.free(second)
     kv.pins.unpin("t", "s")
@@ -116,14 +117,14 @@ def test_h2o_scores_travel_with_the_kept_state() -> None:
     seq = turn(list(range(24)), "h2o")
     kv.match_prefix(seq)
     step(kv, seq, 16, sampled=50)
-    block_1 = kv.layout(seq)["full"][1][0]
-    kv.record_attention(seq, [5.0], [block_1 * BS])  # logical block 1 is a heavy hitter
+    block_1 = kv.tables.layout(seq)["full"][1][0]
+    kv.record_attention(seq, KeyMass([block_1 * BS], [5.0]))  # logical block 1 is a heavy hitter
     step(kv, seq, 8, sampled=50)
     kv.free(seq, pin_at=0.0)
     second = turn([*seq.token_ids, 80], "h2o")
     assert kv.match_prefix(second) == 24
-    assert 1 in [index for _, index in kv.layout(second)["full"]]
-    assert kv._seqs[second.seq_id].scores[1] == 5.0
+    assert 1 in [index for _, index in kv.tables.layout(second)["full"]]
+    assert kv.tables.seqs[second.seq_id].scores[1] == 5.0
     kv.free(second)
     assert_all_released(kv)
 

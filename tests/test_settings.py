@@ -6,11 +6,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
 from app.settings import load_settings
 from engine.llm_engine import LLMEngine
 from engine.model.kv_cache import auto_kv_cache_dtype
+from engine.request import Sequence
+from engine.sampling import SamplingParams
 from engine.sched import Scheduler
 from engine.sched.policy import PriorityPolicy, TokenCost, VtcPolicy
 from tests.engine_harness import shared_backend
@@ -86,7 +89,7 @@ def test_kv_cache_dtype_sizes_the_pools_in_its_own_bytes(
 ) -> None:
     """KV_CACHE_DTYPE=bfloat16: the engine's pools hold bfloat16, a token's K/V costs half the
     bytes, and MAX_ACTIVE_KV_TOKENS still counts tokens (the same number of blocks)."""
-    assert load_settings(NO_ENV_FILE).engine_config().kv_cache_dtype is None  # auto
+    assert load_settings(NO_ENV_FILE).engine_config().kv.cache_dtype is None  # auto
     # auto, resolved by the server and the offline API once the kernel is known:
     for kernel in ("bf16", "bf16-int8head", "int8"):
         assert auto_kv_cache_dtype(kernel, torch.float32) == torch.bfloat16
@@ -99,12 +102,12 @@ def test_kv_cache_dtype_sizes_the_pools_in_its_own_bytes(
     monkeypatch.setenv("KV_CACHE_DTYPE", "bfloat16")
     monkeypatch.setenv("MAX_ACTIVE_KV_TOKENS", "4096")
     config = load_settings(NO_ENV_FILE).engine_config()
-    assert config.kv_cache_dtype == torch.bfloat16
+    assert config.kv.cache_dtype == torch.bfloat16
 
     backend = shared_backend(embedded_model, "kv-dtype")
     runners = {
         dtype: LLMEngine.for_model(
-            embedded_model, backend, replace(config, kv_cache_dtype=dtype)
+            embedded_model, backend, replace(config, kv=replace(config.kv, cache_dtype=dtype))
         ).runner
         for dtype in (torch.float32, torch.bfloat16)
     }
@@ -138,16 +141,44 @@ def test_eviction_parameters_reach_the_engines_policies(embedded_model) -> None:
     settings = load_settings(
         NO_ENV_FILE, EVICTION_SINK_TOKENS="40", EVICTION_H2O_RECENT_FRACTION="0.25"
     )
-    config = replace(settings.engine_config(), max_active_kv_tokens=4096)
+    config = settings.engine_config()
+    config = replace(config, kv=replace(config.kv, max_active_tokens=4096))
     engine = LLMEngine.for_model(embedded_model, shared_backend(embedded_model, "eviction"), config)
     held = list(range(10))  # logical blocks of 16 tokens
     # 40 tokens are 3 blocks of sinks; a budget of 5 keeps them and the 2 most recent.
-    assert engine.kv._policies["sink"].select_victims(held, 5, {}) == [3, 4, 5, 6, 7]
+    assert engine.kv.eviction.policies["sink"].select_victims(held, 5, {}) == [3, 4, 5, 6, 7]
     # A quarter of 8 is 2 recent blocks (8, 9); the 6 best-scored older blocks fill the rest.
     # Blocks 0, 3 and 6 score 0, the lowest: two must go, and ties keep the earlier block.
     scores = {block: float(block % 3) for block in held}
-    assert engine.kv._policies["h2o"].select_victims(held, 8, scores) == [3, 6]
+    assert engine.kv.eviction.policies["h2o"].select_victims(held, 8, scores) == [3, 6]
     for name, value in [("EVICTION_SINK_TOKENS", "0"), ("EVICTION_H2O_RECENT_FRACTION", "0"),
                         ("EVICTION_H2O_RECENT_FRACTION", "1.5")]:  # fmt: skip
         with pytest.raises(SystemExit, match=f"invalid setting: .*{name}"):
             load_settings(NO_ENV_FILE, **{name: value})
+
+
+def test_kv_check_integrity_reports_a_contradiction_when_the_engine_goes_idle(
+    embedded_model,
+) -> None:
+    """KV_CHECK_INTEGRITY=true checks the KV bookkeeping each time the work runs out: quiet
+    while it is sound, an error naming the block once a reference count is off by one."""
+    settings = load_settings(NO_ENV_FILE, KV_CHECK_INTEGRITY="true")
+    config = settings.engine_config()
+    config = replace(config, kv=replace(config.kv, max_active_tokens=4096))
+    assert config.kv.check_integrity
+    engine = LLMEngine.for_model(
+        embedded_model, shared_backend(embedded_model, "integrity"), config
+    )
+    seq = Sequence(list(range(100, 140)), SamplingParams(max_tokens=2, temperature=0.0))
+    assert engine.add(seq).accepted
+    while engine.has_work:
+        engine.step()
+    with structlog.testing.capture_logs() as logs:
+        engine.on_idle()
+    assert [entry for entry in logs if entry["log_level"] == "error"] == []
+    block = next(iter(engine.kv.pools["full"].live.values()))  # a cached block of the prompt
+    block.ref_count += 1  # as a missed decref would leave it
+    with structlog.testing.capture_logs() as logs:
+        engine.on_idle()
+    errors = [entry for entry in logs if entry["log_level"] == "error"]
+    assert len(errors) == 1 and repr(block) in errors[0]["error"]

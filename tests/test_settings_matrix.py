@@ -2,7 +2,7 @@
 all, either serves or is refused at start with a line naming the settings that conflict.
 
 In process, each combination goes the server's way from settings to engine (load_settings,
-Settings.engine_plan, app.server.build_engine) on the embedded model loaded once, and generates
+Settings.engine_plan, engine.build.build_engine) on the embedded model loaded once, and generates
 two tokens; a refused one exits at engine_plan, before anything loads. Which are refused depends
 on the CPU (bf16 needs oneDNN's bfloat16 GEMM), so the expectation is computed from it. Building
 a backend quantizes and packs the whole model, seconds each: the combinations that build the
@@ -29,11 +29,10 @@ import httpx
 import pytest
 import torch
 
-from app import server
-from app import settings as settings_module
 from app.settings import Settings, load_settings
+from engine import build as engine_build
 from engine.backends import InferenceBackend, create_backend
-from engine.model.linear_kernels import has_amx, has_bf16
+from engine.model.cpu_features import has_amx, has_bf16
 from engine.model.loader import LoadedModel
 from engine.request import Sequence
 from engine.sampling import SamplingParams
@@ -137,10 +136,10 @@ def test_every_combination_serves_or_is_refused_at_start(
     assert plan.kernel == kernel
     approximate = kernel in ("bf16", "bf16-int8head", "int8")
     kv_dtype = torch.bfloat16 if kv_cache_dtype == "auto" and approximate else torch.float32
-    assert plan.config.kv_cache_dtype == kv_dtype
+    assert plan.config.kv.cache_dtype == kv_dtype
 
-    monkeypatch.setattr(server, "create_backend", _shared_backend)
-    engine = server.build_engine(settings, plan, embedded_model)
+    monkeypatch.setattr(engine_build, "create_backend", _shared_backend)
+    engine = engine_build.build_engine(plan.config, embedded_model, plan)
     assert engine.runner.kv_dtype == kv_dtype
     assert engine.backend.exact == (kernel == "exact")
     seq = Sequence(
@@ -229,7 +228,7 @@ def test_cpu_weights_with_float16_are_refused(weights: str) -> None:
 def test_cpu_weights_on_a_gpu_are_refused(monkeypatch: pytest.MonkeyPatch, weights: str) -> None:
     """Where DEVICE is (or auto-detects) a GPU, the CPU-only WEIGHTS are refused naming both;
     auto and fp32 run the DTYPE weights there."""
-    monkeypatch.setattr(settings_module, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(engine_build, "resolve_device", lambda name: torch.device("cuda"))
     for serving in ("auto", "fp32"):
         assert settings_for(WEIGHTS=serving).engine_plan().kernel == "exact"
     with pytest.raises(SystemExit) as refused:

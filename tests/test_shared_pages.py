@@ -10,8 +10,10 @@ import torch
 
 from engine.backends.custom import CustomBackend
 from engine.kv.block_pool import BlockPool, NoFreeBlocksError, PagePool
+from engine.kv.block_tables import BlockCopy
+from engine.kv.integrity import check_pool
 from engine.kv.layout import CacheGroupSpec, LanePlace, SharedPages
-from engine.kv.manager import BlockCopy, KVCacheManager
+from engine.kv.manager import KVCacheManager
 from engine.kv.sizing import can_share_pages, lanes_per_page, shared_pages
 from engine.model import cpu_ops
 from engine.runner import ModelRunner
@@ -19,7 +21,7 @@ from engine.sched.output import plan_of
 from tests import test_forward_gemma3 as gemma3
 from tests import test_forward_gemma4 as gemma4
 from tests.forward_contract import prompt
-from tests.kv_invariants import assert_all_released, check_manager, check_pool, make_seq, step
+from tests.kv_invariants import assert_all_released, check_manager, make_seq, step
 from tests.paged_driver import hf_greedy, hf_model
 
 CPU = torch.device("cpu")
@@ -207,7 +209,7 @@ def test_admission_counts_the_pages_of_every_group():
     assert kv.is_exhausted  # no sliding block left
     assert kv.usage == 1.0
     assigned = {block.block_id for block in kv.take_page_assignments()}
-    assert {block_id for block_id, _ in kv.layout(b)["sliding"]} <= assigned
+    assert {block_id for block_id, _ in kv.tables.layout(b)["sliding"]} <= assigned
     assert kv.take_page_assignments() == []
     check_manager(kv)
     kv.free(a)

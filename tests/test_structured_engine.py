@@ -82,7 +82,7 @@ def compiler(loaded) -> GrammarCompiler:
 
 def small_engine(loaded) -> LLMEngine:
     """An engine with a KV cache for a few short sequences (the default sizes it from memory)."""
-    return new_engine(loaded, max_active_kv_tokens=1024)
+    return new_engine(loaded, max_active_tokens=1024)
 
 
 def generate(engine, seqs: list[Sequence]) -> list[str]:

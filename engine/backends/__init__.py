@@ -26,7 +26,7 @@ def create_backend(
     kernel: str = "exact",
 ) -> InferenceBackend:
     """The backend `kind` ("custom" or "hf") for a loaded model, on `device` in `dtype`, its
-    linear layers run by `kernel` (engine.model.linear_kernels)."""
+    linear layers run by `kernel` (engine.model.kernel_select)."""
     from engine.model.architecture import GemmaTextConfig
 
     backend_class: type[CustomBackend | HFBackend]

@@ -8,7 +8,8 @@ from engine.backends.base import InferenceBackend
 from engine.model import huge_pages
 from engine.model.architecture import GemmaTextConfig
 from engine.model.gemma import GemmaForCausalLM
-from engine.model.linear_kernels import warm_up
+from engine.model.kernel_select import warm_up
+from engine.model.optimize import optimize
 from engine.model.paged_attention import PagedAttentionStep
 
 
@@ -21,8 +22,12 @@ class CustomBackend(InferenceBackend):
         dtype: torch.dtype,
         max_model_len: int,
         kernel: str = "exact",
+        fuse_ops: bool | None = None,
     ) -> None:
-        self.model = GemmaForCausalLM.from_state_dict(config, state_dict, device, dtype, kernel)
+        """The reference model (engine.model.gemma) with `kernel`'s fast modules swapped in
+        (engine.model.optimize; `fuse_ops` as there)."""
+        self.model = GemmaForCausalLM.from_state_dict(config, state_dict, device, dtype)
+        optimize(self.model, kernel, fuse_ops)
         huge_pages.place_module(self.model)  # decode streams the weights: 2 MB pages
         super().__init__(self.model.arch, device, dtype, max_model_len, exact=kernel == "exact")
 

@@ -27,7 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from engine.backends.base import InferenceBackend
 from engine.model.architecture import GemmaTextConfig, architecture_from_config
-from engine.model.linear_kernels import head_argmax, quantize_model, run_head, warm_up
+from engine.model.kernel_select import head_argmax, quantize_model, run_head, warm_up
 from engine.model.paged_attention import PagedAttentionStep
 
 ATTENTION_NAME = "gemma_serve_paged"

@@ -2,6 +2,6 @@
 tree + exact-match index) and per-session eviction policies."""
 
 from engine.kv.eviction import EVICTION_POLICIES
-from engine.kv.manager import BlockCopy, KVCacheManager
+from engine.kv.manager import KVCacheManager
 
-__all__ = ["EVICTION_POLICIES", "BlockCopy", "KVCacheManager"]
+__all__ = ["EVICTION_POLICIES", "KVCacheManager"]

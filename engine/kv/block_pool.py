@@ -22,7 +22,9 @@ block's other pages from the assignments the pool records (take_assignments).
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+
+from engine.kv.layout import CacheGroupSpec, SharedPages
 
 
 class Block:
@@ -66,6 +68,13 @@ class PagePool:
     def num_available(self) -> int:
         """Pages that can be handed out now: free, or under a cached block nobody holds."""
         return len(self._free) + self.num_cached_pages
+
+    def stats(self) -> dict[str, int]:
+        return {"total": self.num_pages, "free": self.num_free, "cached": self.num_cached_pages}
+
+    def free_pages(self) -> list[int]:
+        """The free queue's pages, in order."""
+        return list(self._free)
 
     def take(self, count: int) -> tuple[int, ...]:
         """`count` pages, reclaiming cached blocks least recently released first if needed."""
@@ -128,6 +137,16 @@ class BlockPool:
     @property
     def num_total(self) -> int:
         return self.page_pool.num_pages // self.pages_per_block
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "total": self.num_total,
+            "pages_per_block": self.pages_per_block,
+            "in_use": self.num_in_use,
+            "cached_unused": self.num_cached_unused,
+            "free": self.num_free,
+            "reclaimed": self.num_reclaimed,
+        }
 
     @property
     def num_free(self) -> int:
@@ -222,3 +241,21 @@ class BlockPool:
     def _release(self, block: Block) -> None:
         del self.live[block.block_id]
         self.page_pool.release(block.pages)
+
+
+def make_pools(
+    groups: list[CacheGroupSpec], num_blocks: int | Mapping[str, int] | SharedPages
+) -> dict[str, BlockPool]:
+    """One block pool per cache group: all over one shared page pool, or each with pages of
+    its own (`num_blocks` for every group, or per group)."""
+    names = [g.name for g in groups]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"the KV cache needs distinctly named cache groups, got {names}")
+    if isinstance(num_blocks, SharedPages):
+        pages = PagePool(num_blocks.num_pages)
+        return {
+            g.name: BlockPool(g.name, pages=pages, pages_per_block=num_blocks.pages_per_block(g))
+            for g in groups
+        }
+    sizes = num_blocks if isinstance(num_blocks, Mapping) else {g.name: num_blocks for g in groups}
+    return {g.name: BlockPool(g.name, sizes[g.name]) for g in groups}

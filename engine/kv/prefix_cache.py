@@ -281,6 +281,10 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ views
 
+    def exact_entries(self) -> dict[tuple, ExactEntry]:
+        """The exact-match index: key -> entry."""
+        return dict(self._exact)
+
     @property
     def num_exact_entries(self) -> int:
         return len(self._exact)

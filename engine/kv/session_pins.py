@@ -52,6 +52,18 @@ class SessionPins(Generic[Kept]):
     def __len__(self) -> int:
         return len(self._pins)
 
+    def stats(self) -> dict[str, int]:
+        return {
+            "pinned_sessions": len(self._pins),
+            "pinned_blocks": self.pinned_blocks(),
+            "released_pins": self.num_released,
+            "kept_sessions": self.num_kept,
+        }
+
+    def all_pins(self) -> list[Pin[Kept]]:
+        """Every pin, least recently used first."""
+        return list(self._pins.values())
+
     @property
     def num_kept(self) -> int:
         """Pins that carry an evicted turn's kept state."""

@@ -259,7 +259,7 @@ def gumbel_argmax(
     token v with the largest (logit_v - the row's largest) * inverse_temperature[row] +
     G(keys[row], v), G Gumbel noise from a hash of the row's key ([R] int64) and the token id,
     which is the column, or ids[row, column] (int64 [R, W]) where ids are given; ties go to the
-    smaller id (csrc/cpu_ops.cpp says which hash; engine/sampler.py's _race_torch is the same
+    smaller id (csrc/cpu_ops.cpp says which hash; engine/random_draw.py's race_torch is the same
     race in torch ops). int64 [R]; the smallest id for a row whose logits are all -inf."""
     return torch.ops.gemma_cpu.gumbel_argmax(logits, inverse_temperature, keys, ids)
 

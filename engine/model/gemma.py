@@ -1,4 +1,4 @@
-"""Our Gemma 3 / Gemma 4 text forward pass over the paged KV cache.
+"""Our Gemma 3 / Gemma 4 text forward pass over the paged KV cache: the exact reference.
 
 Built from transformers' `Gemma3TextConfig` / `Gemma4TextConfig` and loaded from a state dict
 in transformers' CausalLM naming (`model.layers.0.self_attn.q_proj.weight`, ...). Every
@@ -13,6 +13,10 @@ Gemma 3 vs Gemma 4, as the reference defines them:
 - Gemma 4 adds per-layer head sizes, k=v attention on full layers, KV sharing (the last layers
   read an earlier layer's cache and store nothing), per-layer embeddings (PLE) with a gate and
   projection, a double-wide MLP on KV-shared layers, and a scalar per layer.
+
+This module is only that reference, one forward per module, readable beside transformers'
+modeling_gemma3.py / modeling_gemma4.py. The approximate modes' faster modules (stacked
+projections, quantized linears, fused CPU ops) replace these in place: engine.model.optimize.
 """
 
 from __future__ import annotations
@@ -21,23 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model import cpu_ops
 from engine.model.architecture import (
     GemmaArchitecture,
     GemmaTextConfig,
     LayerSpec,
     architecture_from_config,
 )
-from engine.model.linear_kernels import (
-    BFloat16GatedMLP,
-    BFloat16Linear,
-    body_and_head,
-    head_argmax,
-    make_fused_mlp,
-    make_linear,
-    quantize_model,
-    run_head,
-)
+from engine.model.kernel_select import head_argmax, run_head
 from engine.model.paged_attention import PagedAttentionStep
 
 
@@ -53,8 +47,6 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False) if with_scale else None
         self.register_buffer("scale", None, persistent=False)
-        self.fused = False  # one cpu_ops call instead of the eager ops (GemmaForCausalLM.fuse)
-        self.bf16_out = False  # fused, and what reads the output runs in bfloat16
 
     def init_buffers(self) -> None:
         """The float32 multiplier, (1 + w) or w, computed once instead of every call."""
@@ -63,8 +55,6 @@ class RMSNorm(nn.Module):
             self.register_buffer("scale", scale, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return cpu_ops.rms_norm(x, self.scale, self.eps, self.bf16_out)
         h = x.float()
         if self.unit_offset:
             h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -75,13 +65,13 @@ class RMSNorm(nn.Module):
         return h.type_as(x)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of x [T, heads, D] in the rotate-half convention: x * cos +
     [-x2, x1] * sin, written as [x2, x1] * [-sin1, sin2] (the same products, fewer ops)."""
     return (x * cos) + (x.roll(x.shape[-1] // 2, dims=-1) * signed_sin)
 
 
-def _linear(in_features: int, out_features: int) -> nn.Linear:
+def linear(in_features: int, out_features: int) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=False).requires_grad_(False)
 
 
@@ -98,43 +88,22 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.scaling = arch.attention_scaling
         self.softcap = arch.attn_logit_softcapping
-        self.q_proj = _linear(config.hidden_size, self.num_heads * spec.head_dim)
+        self.q_proj = linear(config.hidden_size, self.num_heads * spec.head_dim)
         self.q_norm = RMSNorm(spec.head_dim, eps, unit_offset)
         if spec.stores_kv:
-            self.k_proj = _linear(config.hidden_size, spec.num_kv_heads * spec.head_dim)
+            self.k_proj = linear(config.hidden_size, spec.num_kv_heads * spec.head_dim)
             if not spec.k_eq_v:
-                self.v_proj = _linear(config.hidden_size, spec.num_kv_heads * spec.head_dim)
+                self.v_proj = linear(config.hidden_size, spec.num_kv_heads * spec.head_dim)
             self.k_norm = RMSNorm(spec.head_dim, eps, unit_offset)
             self.v_norm = (
                 RMSNorm(spec.head_dim, eps, unit_offset=False, with_scale=False)
                 if arch.is_gemma4
                 else None
             )
-        self.o_proj = _linear(self.num_heads * spec.head_dim, config.hidden_size)
-        # q, k (and v) as one call, set by fuse_projections() for the approximate kernels.
-        self.qkv_proj: nn.Module | None = None
-        self.qkv_sizes: list[int] = []
-        self.fused = False  # q/k norm and RoPE by cpu_ops.norm_rope (GemmaForCausalLM.fuse)
+        self.o_proj = linear(self.num_heads * spec.head_dim, config.hidden_size)
 
-    def fuse_projections(self, kernel: str) -> None:
-        """Replace q_proj, k_proj and v_proj by one `kernel` linear over their stacked weights.
-
-        One larger call costs far less than three small ones at decode sizes. Per-channel int8
-        quantizes each stacked row as it would alone, so the result is the same; `exact` keeps
-        transformers' three separate matmuls."""
-        if not self.spec.stores_kv:
-            return
-        names = ["q_proj", "k_proj"] + ([] if self.spec.k_eq_v else ["v_proj"])
-        projections = [getattr(self, name) for name in names]
-        self.qkv_proj = make_linear(kernel, torch.cat([p.weight for p in projections]))
-        self.qkv_sizes = [p.out_features for p in projections]
-        for name in names:
-            delattr(self, name)
-
-    def _project(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def project(self, x: torch.Tensor) -> list[torch.Tensor]:
         """[queries, keys, values] (values absent when k=v; only queries on KV-shared layers)."""
-        if self.qkv_proj is not None:
-            return list(self.qkv_proj(x).split(self.qkv_sizes, dim=-1))
         if not self.spec.stores_kv:
             return [self.q_proj(x)]
         if self.spec.k_eq_v:
@@ -144,12 +113,10 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: PagedAttentionStep
     ) -> torch.Tensor:
-        if self.fused:
-            return self._forward_fused(x, cos, sin, step)
         spec = self.spec
         tokens = x.shape[0]
-        projected = self._project(x)
-        query = _rotate(
+        projected = self.project(x)
+        query = rotate(
             self.q_norm(projected[0].view(tokens, self.num_heads, spec.head_dim)), cos, sin
         )
         if spec.stores_kv:
@@ -159,40 +126,12 @@ class Attention(nn.Module):
                 if spec.k_eq_v
                 else projected[2].view(tokens, spec.num_kv_heads, spec.head_dim)
             )
-            keys = _rotate(self.k_norm(raw_keys), cos, sin)
+            keys = rotate(self.k_norm(raw_keys), cos, sin)
             if self.v_norm is not None:
                 values = self.v_norm(values)
             step.write(spec.index, keys, values)
         out = step.attend(spec.kv_source, query, self.scaling, self.softcap)
         return self.o_proj(out.reshape(tokens, -1))
-
-    def _forward_fused(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: PagedAttentionStep
-    ) -> torch.Tensor:
-        """forward() with each of q and k normalized and rotated in one cpu_ops call, straight
-        from the fused projection's columns (fused only with qkv_proj where K/V are stored)."""
-        spec, heads, dim = self.spec, self.num_heads, self.spec.head_dim
-        projected = self.qkv_proj(x) if self.qkv_proj is not None else self.q_proj(x)
-        eps = self.q_norm.eps
-        query = cpu_ops.norm_rope(projected, 0, heads, dim, self.q_norm.scale, cos, sin, eps)
-        if spec.stores_kv:
-            kv_width = spec.num_kv_heads * dim
-            keys = cpu_ops.norm_rope(
-                projected, heads * dim, spec.num_kv_heads, dim, self.k_norm.scale, cos, sin, eps
-            )
-            values_from = heads * dim + (0 if spec.k_eq_v else kv_width)
-            values = projected[:, values_from : values_from + kv_width].view(
-                -1, spec.num_kv_heads, dim
-            )
-            if self.v_norm is not None:
-                values = self.v_norm(values)
-            step.write(spec.index, keys, values)
-        # A bfloat16 output projection reads bfloat16: the attention hands it over as such.
-        o_proj = self.o_proj
-        bf16_in = isinstance(o_proj, BFloat16Linear) and o_proj.bf16_out
-        out_dtype = torch.bfloat16 if bf16_in else None
-        out = step.attend(spec.kv_source, query, self.scaling, self.softcap, out_dtype)
-        return o_proj(out.reshape(x.shape[0], -1))
 
 
 class MLP(nn.Module):
@@ -204,33 +143,12 @@ class MLP(nn.Module):
             raise NotImplementedError(
                 f"hidden activation {config.hidden_activation!r} is not supported"
             )
-        self.gate_proj = _linear(config.hidden_size, intermediate_size)
-        self.up_proj = _linear(config.hidden_size, intermediate_size)
-        self.down_proj = _linear(intermediate_size, config.hidden_size)
-        # Set by fuse_projections(): gate and up as one call, or the whole MLP as one module.
-        self.gate_up_proj: nn.Module | None = None
-        self.fused: BFloat16GatedMLP | None = None
-
-    def fuse_projections(self, kernel: str) -> None:
-        """gate_proj and up_proj as one `kernel` linear (see Attention.fuse_projections); under
-        bf16 the whole MLP as one BFloat16GatedMLP, the gelu and product inside its GEMMs."""
-        self.fused = make_fused_mlp(
-            kernel, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
-        )
-        if self.fused is not None:
-            del self.gate_proj, self.up_proj, self.down_proj
-            return
-        weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-        self.gate_up_proj = make_linear(kernel, weight)
-        del self.gate_proj, self.up_proj
+        self.gate_proj = linear(config.hidden_size, intermediate_size)
+        self.up_proj = linear(config.hidden_size, intermediate_size)
+        self.down_proj = linear(intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None:
-            return self.fused(x)
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
@@ -240,22 +158,21 @@ class DecoderLayer(nn.Module):
         config = arch.config
         hidden, eps, unit_offset = config.hidden_size, config.rms_norm_eps, not arch.is_gemma4
         self.self_attn = Attention(arch, spec)
-        self.mlp = MLP(config, spec.intermediate_size)
+        # nn.Module: the approximate modes may swap in another MLP (engine.model.optimize).
+        self.mlp: nn.Module = MLP(config, spec.intermediate_size)
         self.input_layernorm = RMSNorm(hidden, eps, unit_offset)
         self.post_attention_layernorm = RMSNorm(hidden, eps, unit_offset)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset)
         self.has_per_layer_input = arch.per_layer_input_size > 0
         if self.has_per_layer_input:
-            self.per_layer_input_gate = _linear(hidden, arch.per_layer_input_size)
-            self.per_layer_projection = _linear(arch.per_layer_input_size, hidden)
+            self.per_layer_input_gate = linear(hidden, arch.per_layer_input_size)
+            self.per_layer_projection = linear(arch.per_layer_input_size, hidden)
             self.post_per_layer_input_norm = RMSNorm(hidden, eps, unit_offset)
         if arch.is_gemma4:
             self.register_buffer("layer_scalar", torch.ones(1))
         else:
             self.layer_scalar = None
-        self.fused = False  # residual adds fused with their norms (GemmaForCausalLM.fuse)
-        self.bf16_activations = False  # fused, and the MLP runs in bfloat16
 
     def forward(
         self,
@@ -266,22 +183,18 @@ class DecoderLayer(nn.Module):
         per_layer_input: torch.Tensor | None,
     ) -> torch.Tensor:
         attended = self.self_attn(self.input_layernorm(x), cos, sin, step)
-        if self.fused:  # x += post(attended); x += post_ff(mlp(pre_ff(x))), x being ours
-            eps = self.input_layernorm.eps
-            hidden = cpu_ops.add_rms_norm_(
-                x,
-                attended,
-                self.post_attention_layernorm.scale,
-                self.pre_feedforward_layernorm.scale,
-                eps,
-                self.bf16_activations,
-            )
-            cpu_ops.add_rms_norm_(
-                x, self.mlp(hidden), self.post_feedforward_layernorm.scale, None, eps
-            )
-        else:
-            x = x + self.post_attention_layernorm(attended)
-            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = self.residual_blocks(x, attended)
+        return self.per_layer_and_scalar(x, per_layer_input)
+
+    def residual_blocks(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """x + post(attended), then that plus post_ff(mlp(pre_ff(it)))."""
+        x = x + self.post_attention_layernorm(attended)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+    def per_layer_and_scalar(
+        self, x: torch.Tensor, per_layer_input: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Gemma 4's per-layer input (PLE) and layer scalar, where the layer has them."""
         if self.has_per_layer_input:
             assert per_layer_input is not None  # TextModel passes one to every layer then
             gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer_input
@@ -325,7 +238,7 @@ class TextModel(nn.Module):
             self.embed_tokens_per_layer = ScaledEmbedding(
                 config.vocab_size_per_layer_input, width, self.per_layer_input_size**0.5
             )
-            self.per_layer_model_projection = _linear(config.hidden_size, width)
+            self.per_layer_model_projection = linear(config.hidden_size, width)
             self.per_layer_projection_norm = RMSNorm(
                 self.per_layer_input_size, config.rms_norm_eps, unit_offset=False
             )
@@ -387,8 +300,9 @@ class GemmaForCausalLM(nn.Module):
         self.model = TextModel(self.arch)
         self.tied = bool(config.tie_word_embeddings)
         if not self.tied:
-            self.lm_head = _linear(config.hidden_size, config.vocab_size)
-        # The LM head under a faster kernel (linear_kernels); None: F.linear on lm_head_weight.
+            self.lm_head = linear(config.hidden_size, config.vocab_size)
+        # The LM head under a faster kernel (engine.model.optimize); None: F.linear on
+        # lm_head_weight.
         self.fast_head: nn.Module | None = None
 
     @property
@@ -402,10 +316,9 @@ class GemmaForCausalLM(nn.Module):
         state_dict: dict[str, torch.Tensor],
         device: torch.device,
         dtype: torch.dtype,
-        kernel: str = "exact",
     ) -> GemmaForCausalLM:
-        """The model with transformers-named weights, on `device` in `dtype`, its linear layers
-        run by `kernel` (see linear_kernels); checks that nothing is missing or left over."""
+        """The model with transformers-named weights, on `device` in `dtype`; checks that
+        nothing is missing or left over."""
         with torch.device("meta"):  # no throwaway random init: the weights replace everything
             model = cls(config)
         weights = dict(state_dict)
@@ -426,41 +339,7 @@ class GemmaForCausalLM(nn.Module):
                 f"weights do not match the config: missing {missing}, unexpected {unexpected}"
             )
         model.model.init_buffers()
-        if kernel != "exact":
-            body, head = body_and_head(kernel)
-            for module in list(model.model.modules()):
-                if isinstance(module, Attention | MLP):
-                    module.fuse_projections(body)
-            quantize_model(model.model, body)
-            # A tied head keeps its float embedding table for lookups and gets its own copy.
-            model.fast_head = make_linear(head, model.lm_head_weight)
-            if device.type == "cpu" and dtype == torch.float32 and cpu_ops.available():
-                model.fuse()
         return model.requires_grad_(False)
-
-    def fuse(self, enabled: bool = True) -> None:
-        """Run norms, RoPE and residual adds through the fused CPU kernels (cpu_ops), or again
-        through eager ops: the same maths, summed in another order, so never under
-        NUMERICS=exact. Where a layer's GEMMs run in bfloat16 (BFloat16Linear and
-        BFloat16GatedMLP, which return their input's dtype), the norms before them hand over
-        bfloat16, and the attention's output projection hands bfloat16 to the residual add: the
-        GEMMs round to it anyway, so the values stay the same and the casts go."""
-        for module in self.model.modules():
-            if isinstance(module, RMSNorm):
-                module.fused, module.bf16_out = enabled, False
-            elif isinstance(module, Attention):
-                # Fused where q, k and v come from one projection, or q alone (KV-shared layers).
-                module.fused = enabled and (
-                    module.qkv_proj is not None or not module.spec.stores_kv
-                )
-        for layer in self.model.layers:
-            assert isinstance(layer, DecoderLayer)
-            bf16 = enabled and isinstance(layer.mlp.fused, BFloat16GatedMLP)
-            layer.fused, layer.bf16_activations = enabled, bf16
-            layer.input_layernorm.bf16_out = bf16
-            # The residual add after the attention reads bfloat16 too.
-            if isinstance(layer.self_attn.o_proj, BFloat16Linear):
-                layer.self_attn.o_proj.bf16_out = bf16
 
     def hidden_states(
         self,
@@ -475,7 +354,7 @@ class GemmaForCausalLM(nn.Module):
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The first maximum of each row of logits(hidden), from the fast head's own argmax
-        (linear_kernels.head_argmax); None where it has none. A final softcap could round two
+        (kernel_select.head_argmax); None where it has none. A final softcap could round two
         logits to a tie that the raw ones do not have, so a capped model takes the logits."""
         if self.fast_head is None or self.arch.final_logit_softcapping is not None:
             return None

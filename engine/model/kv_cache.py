@@ -25,7 +25,7 @@ from engine.model import huge_pages
 from engine.model.architecture import GemmaArchitecture, LayerSpec
 
 GROUP_ORDER = ("full", "sliding")
-# Linear kernels whose activations already pass through bfloat16 or int8 (linear_kernels).
+# Linear kernels whose activations already pass through bfloat16 or int8 (kernel_select).
 _APPROXIMATE_KERNELS = ("bf16", "bf16-int8head", "int8")
 
 

@@ -8,7 +8,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.kv.block_pool import Block
-from engine.kv.manager import BlockCopy, ChunkKV, KVCacheManager
+from engine.kv.block_tables import BlockCopy, ChunkKV
+from engine.kv.manager import KVCacheManager
 from engine.request import Sequence
 
 

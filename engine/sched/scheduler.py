@@ -29,7 +29,8 @@ from collections.abc import Sequence as SequenceOf
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
-from engine.kv.manager import KeyMass, KVCacheManager
+from engine.kv.manager import KVCacheManager
+from engine.kv.session_eviction import KeyMass
 from engine.request import FinishReason, Sequence, SequenceStatus
 from engine.sched.admission import AddResult, AdmissionStatus, CompletionRate, InflightCounts
 from engine.sched.output import ScheduledSeq, SchedulerOutput
@@ -232,7 +233,7 @@ class Scheduler:
             self._finished_ids = []
             now = self._clock()
             if self.config.session_kv_idle_s is not None:
-                self.kv.pins.release_idle(now - self.config.session_kv_idle_s)
+                self.kv.release_idle_sessions(now - self.config.session_kv_idle_s)
             for tenant in self._idle_tenants.expired(now):
                 self.policy.forget(tenant)
                 self.ledger.forget(tenant)
@@ -279,7 +280,7 @@ class Scheduler:
     def end_session(self, tenant: str, session: str) -> bool:
         """A conversation ended: release its pinned KV to the prefix cache (reclaimable)."""
         with self._lock:
-            return self.kv.pins.unpin(tenant, session)
+            return self.kv.end_session(tenant, session)
 
     def update(
         self,
@@ -298,7 +299,7 @@ class Scheduler:
                 if self._seqs.get(seq.seq_id) is not seq:
                     continue  # aborted after schedule()
                 if attention is not None and item.kv.wants_attention:
-                    self.kv.record_attention(seq, attention[row].mass, attention[row].key_slots)
+                    self.kv.record_attention(seq, attention[row])
                 seq.num_computed_tokens = item.start + item.num_new_tokens
                 self.kv.commit(seq)
             for seq_id, reason in (finished or {}).items():
@@ -440,9 +441,9 @@ class Scheduler:
         the class's rule) and the fit retried. Returns the tokens granted, 0 when seq itself
         was preempted."""
         while True:
+            # Counts blocks held only by session pins as free: the KV manager releases them
+            # before a chunk shrinks or anyone is preempted.
             num_new = self._largest_fit(seq, wanted)
-            if num_new < wanted and self.kv.pins.release_oldest():
-                continue  # idle sessions' pinned KV goes before chunks shrink or anyone waits
             if num_new and self.kv.allocate(seq, num_new):
                 return num_new
             victim = max(pending.values(), key=_urgency)
@@ -477,8 +478,6 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Move seq from waiting to running with a first chunk of at most `budget` tokens.
         Returns the chunk size, or 0 (changing nothing) when its blocks do not fit."""
-        while self.kv.is_exhausted and self.kv.pins.release_oldest():
-            pass
         if self.kv.is_exhausted:
             return 0  # every step computes at least one token into a fresh or copied block
         cached_before = seq.num_cached_prompt_tokens
@@ -487,8 +486,6 @@ class Scheduler:
             # A recompute hits the sequence's own blocks; report the first admission's hit.
             seq.num_cached_prompt_tokens = cached_before
         num_new = self._prefill_chunk(seq, budget)
-        while not self.kv.can_allocate(seq, num_new) and self.kv.pins.release_oldest():
-            pass
         if not self.kv.allocate(seq, num_new):
             self.kv.free(seq)
             seq.num_computed_tokens = 0

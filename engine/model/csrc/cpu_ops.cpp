@@ -546,12 +546,12 @@ void store_kv(at::Tensor& key_pool, at::Tensor& value_pool, const at::Tensor& sl
   store(value_pool, values, "values");
 }
 
-// Sampling by a Gumbel-max race (engine/sampler.py): per row, the token v with the largest
+// Sampling by a Gumbel-max race (engine/random_draw.py): per row, the token v with the largest
 // s_v + G(key, v), where s_v = (logit_v - the row's largest logit) * inverse temperature and
 // G = -log(-log u) is Gumbel noise whose uniform u a counter-based hash computes from the row's
 // key and the token id alone. That token is a draw from softmax(logits * inverse temperature),
 // and it changes with the logits only where two tokens' perturbed scores nearly tie.
-// engine/sampler.py's _race_torch is the same hash and race in torch ops.
+// engine/random_draw.py's race_torch is the same hash and race in torch ops.
 //
 // The hash: mix32 below, two multiply-xorshift rounds (constants from Wellons' hash prospector,
 // both below 2^31 so that the torch version's int64 products never overflow). A key's low and

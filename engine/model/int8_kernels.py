@@ -1,0 +1,214 @@
+"""The int8 linear kernels (CPU): weights int8 with one scale per output channel, activations
+quantized per call with one scale per row, integer products rescaled to float32. fbgemm runs
+DynamicInt8Linear, oneDNN OneDNNInt8Linear (the faster one on CPUs with AMX tiles, see
+engine.model.kernel_select); at decode sizes both hand their rows to cpu_ops' own kernel
+(PackedInt8Rows) on the same integers."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from engine.model import cpu_ops
+from engine.model.cpu_features import int8_weight_max
+from engine.model.linear_kernels import output_slices, padded_rows, scatter_columns, slice_output
+
+# The same for the int8 kernel (OneDNNInt8Linear) and cpu_ops' VNNI kernel, measured the same.
+PACKED_INT8_MAX_ROWS = 4
+
+# Rows up to which cpu_ops' int8 kernel runs on AMX tiles where it has them (decode steps):
+# there it streams the weights faster than oneDNN for every layer shape, and at prefill sizes
+# oneDNN's blocking wins for the wider-input shapes (`python -m evals.bench_kernels`).
+AMX_INT8_MAX_ROWS = 64
+
+
+def quantize_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel symmetric int8: each output row over its largest magnitude, rounded to
+    int8_weight_max (127 with VNNI, 63 without); returns the integers and float32 scales."""
+    weight = weight.float().contiguous()
+    top = int8_weight_max()
+    scales = (weight.abs().amax(dim=1) / top).clamp(min=1e-8)
+    integers = (weight / scales[:, None]).round_().clamp_(-top, top).to(torch.int8)
+    return integers, scales
+
+
+class PackedInt8Rows:
+    """cpu_ops' int8 kernel over a layer's int8 weights, for decode-sized row counts: up to
+    AMX_INT8_MAX_ROWS where it has AMX tiles, else PACKED_INT8_MAX_ROWS (VNNI). Each row is
+    quantized at 127 over its largest magnitude; the sums are exact and the rescale the same at
+    any row count, so a row's outputs do not depend on its batch. Both int8 modules run it
+    below its row limit and their library above."""
+
+    def __init__(self, integers: torch.Tensor, weight_scales: torch.Tensor) -> None:
+        self.in_features, self.out_features = integers.shape[1], integers.shape[0]
+        self.tiles = cpu_ops.pack_linear_weight(integers)
+        self.scales = weight_scales / 127
+        self.compensation = (integers.sum(dim=1, dtype=torch.int32) * 128).int()
+        self.amx = cpu_ops.packed_amx(torch.int8, self.in_features)
+        self.max_rows = AMX_INT8_MAX_ROWS if self.amx else PACKED_INT8_MAX_ROWS
+
+    @classmethod
+    def where_supported(
+        cls, integers: torch.Tensor, weight_scales: torch.Tensor
+    ) -> PackedInt8Rows | None:
+        """The kernel's state, or None where cpu_ops has no int8 kernel on this CPU."""
+        if not cpu_ops.packed_linear_supported(torch.int8):
+            return None
+        return cls(integers, weight_scales)
+
+    def serves(self, rows: int) -> bool:
+        return rows <= self.max_rows
+
+    def run(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """x [rows, in] @ W.T, float32, written into `out` where it fits (slice_output)."""
+        target = slice_output(out, x.shape[0], self.out_features, torch.float32)
+        return cpu_ops.packed_int8_linear(
+            x, self.tiles, self.scales, self.compensation, self.out_features, target
+        )
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """The first maximum of each row of run(x), never written out (int64 [rows])."""
+        return cpu_ops.packed_int8_linear_argmax(
+            x, self.tiles, self.scales, self.compensation, self.out_features
+        )
+
+
+class DynamicInt8Linear(nn.Module):
+    """fbgemm int8 `x @ W.T`: per-channel int8 weights, activations quantized per row per call.
+
+    fbgemm's dynamic quantization picks one activation scale and zero point from the whole
+    input's min and max, so one row with large values (Gemma's first token) would coarsen every
+    other row, and a request's result would depend on who else is in the batch. Instead each row
+    is divided by its largest magnitude and quantized at the fixed range [-1, 1] (uint8, scale
+    1/127, zero point 128): every row gets its own scale and the same quantization alone or in
+    any batch, the integers cpu_ops' kernel takes, which runs decode-sized batches where the
+    CPU has VNNI (PackedInt8Rows: faster than fbgemm there, as `python -m evals.bench_kernels`
+    measures on a CPU without AMX). The two rescale in another order, so a row's last bits can
+    change past that row count. The row's magnitude multiplies the output back. Weights use 7
+    bits on CPUs without VNNI, where 8 would saturate fbgemm's int16 pair sums
+    (int8_weight_max).
+    """
+
+    # The activations' uint8 quantization once each row lies in [-1, 1]: 127 levels each side
+    # of the zero point, as cpu_ops' kernel quantizes.
+    INPUT_SCALE = 1 / 127
+    INPUT_ZERO_POINT = 128
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        integers, scales = quantize_int8_weight(weight)
+        zero_points = torch.zeros(self.out_features, dtype=torch.long)
+        with warnings.catch_warnings():
+            # PyTorch warns that quantized tensor types are deprecated; fbgemm's prepacked linear
+            # still takes one, and measures 2-10x faster than float32 here (see the module doc).
+            warnings.simplefilter("ignore", UserWarning)
+            quantized = torch._make_per_channel_quantized_tensor(
+                integers, scales.double(), zero_points, 0
+            )
+        self.packed = torch.ops.quantized.linear_prepack(quantized, None)
+        self.packed_rows = PackedInt8Rows.where_supported(integers, scales)
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T; the rows cpu_ops' kernel serves are written into `out` where it fits."""
+        shape = (*x.shape[:-1], self.out_features)
+        if (packed := _packed_for(self.packed_rows, x.numel() // self.in_features)) is not None:
+            result = packed.run(x.reshape(-1, self.in_features).float(), out)
+            return result.view(shape).to(x.dtype)
+        # Few tensor ops on purpose: at decode sizes each costs about as much as the multiply.
+        dtype, rows = x.dtype, x.reshape(-1, self.in_features).float()  # fbgemm is float32
+        # abs().amax(): the same values as vector_norm(inf), which measured 6x slower at 16 rows.
+        row_max = rows.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
+        # Full 8-bit activations: 7 bits cost 10% perplexity here.
+        result = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            rows / row_max, self.INPUT_SCALE, self.INPUT_ZERO_POINT, self.packed
+        )
+        return result.mul_(row_max).view(shape).to(dtype)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """As OneDNNInt8Linear.argmax."""
+        return _packed_argmax(self.packed_rows, x, self.in_features)
+
+
+class OneDNNInt8Linear(nn.Module):
+    """oneDNN int8 `x @ W.T`, the same quantization as DynamicInt8Linear by another library:
+    per-channel symmetric int8 weights (7-bit without VNNI, see int8_weight_max), and each
+    activation row divided by its largest magnitude and rounded to int8 in [-127, 127], so
+    every row has its own scale and is quantized the same alone or in any batch. The products
+    are summed exactly in int32 (AMX tiles where the CPU has them) and rescaled to float32, then
+    multiplied by the row's magnitude; oneDNN picks its kernel by row count, so that rescale can
+    round differently in the last bit with the batch size. Decode-sized batches run cpu_ops'
+    kernel on the same integers (PackedInt8Rows); `python -m evals.bench_kernels` times both
+    (docs/kernels.md, "Linear kernels per call").
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        integers, self.weight_scales = quantize_int8_weight(weight)
+        self.slices = [
+            (torch.ops.onednn.qlinear_prepack(part, None), scales, torch.zeros_like(scales).long())
+            for part, scales in zip(
+                output_slices(integers), output_slices(self.weight_scales), strict=True
+            )
+        ]
+        self.packed_rows = PackedInt8Rows.where_supported(integers, self.weight_scales)
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """As BFloat16Linear.forward: a sliced output goes into `out` where it fits."""
+        return self._run(x, self.slices, out)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The first maximum of each row of forward(x) (int64 [rows]) without writing the
+        outputs, where cpu_ops' kernel computes these rows; else None."""
+        return _packed_argmax(self.packed_rows, x, self.in_features)
+
+    def prime(self, x: torch.Tensor) -> None:
+        """As BFloat16Linear.prime: forward(x) with one slice of each shape run (warm_up);
+        nothing for the row counts cpu_ops' kernel serves (it keeps no per-shape state)."""
+        if _packed_for(self.packed_rows, x.numel() // self.in_features) is not None:
+            return
+        self._run(x, list({tuple(part[0].shape): part for part in self.slices}.values()))
+
+    def _run(
+        self,
+        x: torch.Tensor,
+        slices: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        real = x.numel() // self.in_features
+        if (kernel := _packed_for(self.packed_rows, real)) is not None:
+            result = kernel.run(x.reshape(-1, self.in_features), out)
+            return result.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        dtype, rows = x.dtype, padded_rows(x, self.in_features, torch.float32)
+        row_max = rows.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
+        quantized = (rows * (127 / row_max)).round_().to(torch.int8)
+        out = slice_output(out, real, self.out_features, torch.float32)
+        start = 0
+        for packed, scales, zero_points in slices:
+            part = torch.ops.onednn.qlinear_pointwise(
+                quantized, 1 / 127, 0, packed, scales, zero_points,
+                None, 1.0, 0, torch.float32, "none", [], "",
+            )  # fmt: skip
+            # Scaled while the slice is still in cache, straight into its columns.
+            scatter_columns(part, row_max, out, start)
+            start += part.shape[1]
+        return out.view(*x.shape[:-1], self.out_features).to(dtype)
+
+
+def _packed_for(packed_rows: PackedInt8Rows | None, rows: int) -> PackedInt8Rows | None:
+    """packed_rows where it exists and serves `rows` rows; None: the module's library runs."""
+    if packed_rows is None or not packed_rows.serves(rows):
+        return None
+    return packed_rows
+
+
+def _packed_argmax(
+    packed_rows: PackedInt8Rows | None, x: torch.Tensor, in_features: int
+) -> torch.Tensor | None:
+    """packed_rows' argmax of x's rows where it serves that many, else None."""
+    rows = x.reshape(-1, in_features)
+    packed = _packed_for(packed_rows, rows.shape[0])
+    return None if packed is None else packed.argmax(rows)

@@ -1,0 +1,204 @@
+"""The approximate modes' fast paths, swapped into the exact reference model (engine.model.gemma)
+in place by `optimize(model, kernel)`:
+
+- stacked projections: q, k (and v) as one linear (StackedAttention), gate and up as one
+  (GateUpMLP), or, under bf16, the whole MLP as one module with its gelu and product inside its
+  GEMMs (BFloat16GatedMLP). One larger call costs far less than three small ones at decode
+  sizes; per-channel int8 quantizes each stacked row as it would alone;
+- every other linear layer, and the LM head, under the chosen kernel (kernel_select);
+- on a CPU with cpu_ops, float32 activations: norms (FusedRMSNorm), q/k norm and RoPE
+  (CpuOpsAttention) and the residual adds with their norms (FusedDecoderLayer) through the fused
+  CPU kernels. The same maths summed in another order, so never under NUMERICS=exact. Where a
+  layer's GEMMs run in bfloat16 the norms before them hand over bfloat16, and the attention's
+  output projection hands bfloat16 to the residual add: the GEMMs round to it anyway, so the
+  values stay the same and the casts go.
+
+Each fast module is a subclass of the reference module it replaces, built from it with its
+weights and children shared (`_adopt`), and overrides only the part it computes differently.
+`python -m evals.bench_step` times a decode step with and without the fused CPU kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model import cpu_ops
+from engine.model.gemma import MLP, Attention, DecoderLayer, GemmaForCausalLM, RMSNorm
+from engine.model.kernel_select import body_and_head, make_fused_mlp, make_linear, quantize_model
+from engine.model.linear_kernels import BFloat16GatedMLP, BFloat16Linear
+from engine.model.paged_attention import PagedAttentionStep
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def _adopt(cls: type[M], module: nn.Module) -> M:
+    """An instance of `cls` (a subclass of module's class) holding module's state: the same
+    parameters, buffers, children and attributes, shared rather than copied."""
+    new = cls.__new__(cls)
+    # The registries (_parameters, _buffers, _modules, ...) are copied: new may add or drop
+    # entries without touching module's.
+    new.__dict__.update(
+        {k: dict(v) if isinstance(v, dict) else v for k, v in module.__dict__.items()}
+    )
+    return new
+
+
+class FusedRMSNorm(RMSNorm):
+    """RMSNorm in one cpu_ops call; bfloat16 out where what reads it runs in bfloat16."""
+
+    bf16_out = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.rms_norm(x, self.scale, self.eps, self.bf16_out)
+
+
+class StackedAttention(Attention):
+    """Attention with q, k and v projected by one linear over their stacked weights (q alone on
+    a KV-shared layer), split by column."""
+
+    qkv_proj: nn.Module
+    qkv_sizes: list[int]
+
+    @classmethod
+    def from_attention(cls, attention: Attention, kernel: str) -> StackedAttention:
+        stacked = _adopt(cls, attention)
+        spec = attention.spec
+        names = ["q_proj"]
+        if spec.stores_kv:
+            names += ["k_proj"] if spec.k_eq_v else ["k_proj", "v_proj"]
+        projections = [getattr(attention, name) for name in names]
+        stacked.qkv_proj = make_linear(kernel, torch.cat([p.weight for p in projections]))
+        stacked.qkv_sizes = [p.out_features for p in projections]
+        for name in names:
+            delattr(stacked, name)
+        return stacked
+
+    def project(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return list(self.qkv_proj(x).split(self.qkv_sizes, dim=-1))
+
+
+class CpuOpsAttention(StackedAttention):
+    """StackedAttention with each of q and k normalized and rotated in one cpu_ops call,
+    straight from the stacked projection's columns."""
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: PagedAttentionStep
+    ) -> torch.Tensor:
+        spec, heads, dim = self.spec, self.num_heads, self.spec.head_dim
+        projected = self.qkv_proj(x)
+        eps = self.q_norm.eps
+        query = cpu_ops.norm_rope(projected, 0, heads, dim, self.q_norm.scale, cos, sin, eps)
+        if spec.stores_kv:
+            kv_width = spec.num_kv_heads * dim
+            keys = cpu_ops.norm_rope(
+                projected, heads * dim, spec.num_kv_heads, dim, self.k_norm.scale, cos, sin, eps
+            )
+            values_from = heads * dim + (0 if spec.k_eq_v else kv_width)
+            values = projected[:, values_from : values_from + kv_width].view(
+                -1, spec.num_kv_heads, dim
+            )
+            if self.v_norm is not None:
+                values = self.v_norm(values)
+            step.write(spec.index, keys, values)
+        # A bfloat16 output projection reads bfloat16: the attention hands it over as such.
+        o_proj = self.o_proj
+        bf16_in = isinstance(o_proj, BFloat16Linear) and o_proj.bf16_out
+        out_dtype = torch.bfloat16 if bf16_in else None
+        out = step.attend(spec.kv_source, query, self.scaling, self.softcap, out_dtype)
+        return o_proj(out.reshape(x.shape[0], -1))
+
+
+class GateUpMLP(MLP):
+    """The MLP with gate and up projected by one linear over their stacked weights."""
+
+    gate_up_proj: nn.Module
+
+    @classmethod
+    def from_mlp(cls, mlp: MLP, kernel: str) -> GateUpMLP:
+        stacked = _adopt(cls, mlp)
+        weight = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        stacked.gate_up_proj = make_linear(kernel, weight)
+        del stacked.gate_proj, stacked.up_proj
+        return stacked
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class FusedDecoderLayer(DecoderLayer):
+    """A decoder layer whose residual adds run with the norms after them in one cpu_ops call
+    each, updating x in place (x is the layer's own: the previous layer's output)."""
+
+    bf16_activations = False  # the MLP runs in bfloat16: its input norm hands over bfloat16
+
+    def residual_blocks(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        eps = self.input_layernorm.eps
+        hidden = cpu_ops.add_rms_norm_(
+            x,
+            attended,
+            self.post_attention_layernorm.scale,
+            self.pre_feedforward_layernorm.scale,
+            eps,
+            self.bf16_activations,
+        )
+        cpu_ops.add_rms_norm_(x, self.mlp(hidden), self.post_feedforward_layernorm.scale, None, eps)
+        return x
+
+
+def optimize(model: GemmaForCausalLM, kernel: str, fuse_ops: bool | None = None) -> None:
+    """Swap `kernel`'s fast modules into `model` in place (nothing for `exact`). `fuse_ops`: run
+    the fused CPU kernels (cpu_ops); None: where they run, a CPU float32 model with cpu_ops."""
+    if kernel == "exact":
+        return
+    body, head = body_and_head(kernel)
+    for layer in model.model.layers:
+        assert isinstance(layer, DecoderLayer)
+        layer.self_attn = StackedAttention.from_attention(layer.self_attn, body)
+        exact = layer.mlp
+        assert isinstance(exact, MLP)
+        fused = make_fused_mlp(
+            body, exact.gate_proj.weight, exact.up_proj.weight, exact.down_proj.weight
+        )
+        layer.mlp = fused if fused is not None else GateUpMLP.from_mlp(exact, body)
+    quantize_model(model.model, body)
+    # A tied head keeps its float embedding table for lookups and gets its own copy.
+    model.fast_head = make_linear(head, model.lm_head_weight)
+    weights = model.lm_head_weight
+    if fuse_ops is None:
+        fuse_ops = (
+            weights.device.type == "cpu" and weights.dtype == torch.float32 and cpu_ops.available()
+        )
+    if fuse_ops:
+        _fuse_ops(model)
+
+
+def _fuse_ops(model: GemmaForCausalLM) -> None:
+    """The fused CPU kernels in place of the eager ops (see the module doc)."""
+    _replace(model.model, RMSNorm, lambda norm: _adopt(FusedRMSNorm, norm))
+    _replace(model.model, StackedAttention, lambda attention: _adopt(CpuOpsAttention, attention))
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        fused = _adopt(FusedDecoderLayer, layer)
+        bf16 = isinstance(fused.mlp, BFloat16GatedMLP)
+        fused.bf16_activations = bf16
+        norm = fused.input_layernorm
+        assert isinstance(norm, FusedRMSNorm)
+        norm.bf16_out = bf16
+        # The residual add after the attention reads bfloat16 too.
+        if isinstance(fused.self_attn.o_proj, BFloat16Linear):
+            fused.self_attn.o_proj.bf16_out = bf16
+        layers[i] = fused
+
+
+def _replace(root: nn.Module, kind: type[M], make: Callable[[M], nn.Module]) -> None:
+    """Replace every module of exactly class `kind` under `root` by make(module)."""
+    for parent in list(root.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is kind:
+                setattr(parent, name, make(child))
