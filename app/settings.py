@@ -15,8 +15,8 @@ from engine.build import EnginePlan, plan_engine
 from engine.config import EngineConfig, KVConfig, ModelConfig
 from engine.device import parse_dtype
 from engine.faults import FAULT_SPEC_PATTERN, parse_fault_rules
+from engine.sched.config import SchedulerConfig
 from engine.sched.policy import TokenCost
-from engine.sched.scheduler import SchedulerConfig
 
 # A token weight: the VTC cost of one token, never negative (a negative weight would let a
 # tenant earn credit by being served).

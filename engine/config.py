@@ -13,7 +13,7 @@ import torch
 from engine.faults import FaultRule
 from engine.model.kv_cache import auto_kv_cache_dtype
 from engine.model.loader import EMBEDDED_MODEL
-from engine.sched.scheduler import SchedulerConfig
+from engine.sched.config import SchedulerConfig
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,9 @@ from engine.request import FinishReason, Sequence, StepOutput, TokenLogprob
 from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplerOutput, SamplingRow, takes_argmax
 from engine.sched.admission import AddResult
+from engine.sched.config import MAX_AUTO_BATCH, SchedulerConfig
 from engine.sched.output import SchedulerOutput
-from engine.sched.scheduler import MAX_AUTO_BATCH, Scheduler, SchedulerConfig
+from engine.sched.scheduler import Scheduler
 from engine.step_profile import StepProfile
 from engine.structured.compiler import GrammarCompiler
 

@@ -40,10 +40,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.model import cpu_ops
+from engine.penalties import apply_frequency_presence, apply_repetition_penalty
 from engine.random_draw import draw, inverse_temperatures, race, seeded_key
 from engine.request import Sequence as EngineSequence
 from engine.request import TokenLogprob
-from engine.sampling import SamplingParams
+from engine.sampling import GREEDY_TEMPERATURE, SamplingParams
 from engine.structured.bitmask import (
     allowed_tokens,
     apply_bitmask_rows,
@@ -54,11 +55,6 @@ from engine.structured.bitmask import (
 if TYPE_CHECKING:
     from engine.structured.compiler import GrammarMatcher
 
-# Dividing by a smaller temperature overflows float32; treat it as greedy.
-_GREEDY_TEMPERATURE = 1e-5
-# The largest logit a penalty may leave: dividing it by any sampled temperature stays finite
-# (an infinite logit would make the softmax NaN).
-_LOGIT_LIMIT = torch.finfo(torch.float32).max * _GREEDY_TEMPERATURE
 # A grammar's retry chooses among the allowed tokens alone when there are at most this many,
 # instead of masking and scanning the whole vocabulary (Sampler._constrain).
 _SPARSE_CHOICE = 4096
@@ -184,7 +180,7 @@ class Sampler:
 
     def _choose(self, processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Step 6: one token id per row of the processed logits."""
-        greedy = [i for i, r in enumerate(rows) if r.params.temperature < _GREEDY_TEMPERATURE]
+        greedy = [i for i, r in enumerate(rows) if r.params.temperature < GREEDY_TEMPERATURE]
         if len(greedy) == len(rows):
             token_ids = _argmax(processed)
         elif not greedy:  # no row copies: at 16 rows of 262,144 logits a copy costs 1 ms
@@ -271,9 +267,23 @@ class Sampler:
                 accumulate=True,
             )
         if repetition:
-            _apply_repetition_penalty(out, [(i, rows[i]) for i in repetition])
+            apply_repetition_penalty(
+                out,
+                [
+                    (i, [*rows[i].prompt_token_ids, *rows[i].output_token_ids],
+                     rows[i].params.repetition_penalty)
+                    for i in repetition
+                ],
+            )  # fmt: skip
         if frequency_presence:
-            _apply_frequency_presence(out, [(i, rows[i]) for i in frequency_presence])
+            apply_frequency_presence(
+                out,
+                [
+                    (i, rows[i].output_token_ids, rows[i].params.frequency_penalty,
+                     rows[i].params.presence_penalty)
+                    for i in frequency_presence
+                ],
+            )  # fmt: skip
         if banned:
             ban_rows, ban_cols = zip(*banned, strict=True)
             out[_index(ban_rows, device), _index(ban_cols, device)] = float("-inf")
@@ -287,7 +297,7 @@ def _choose_among(logits: torch.Tensor, allowed: torch.Tensor, row: SamplingRow)
     device = logits.device
     allowed = allowed.to(device)
     kept = logits[allowed]
-    if row.params.temperature < _GREEDY_TEMPERATURE:
+    if row.params.temperature < GREEDY_TEMPERATURE:
         return int(allowed[_argmax(kept[None])[0]])
     inverse_temperature = inverse_temperatures([row.params], device)
     keys = torch.tensor(_keys([row]), dtype=torch.long, device=device)
@@ -300,7 +310,7 @@ def takes_argmax(row: SamplingRow) -> bool:
     all do needs only that index (ModelRunner.forward's `greedy`)."""
     p = row.params
     return (
-        p.temperature < _GREEDY_TEMPERATURE
+        p.temperature < GREEDY_TEMPERATURE
         and p.logprobs is None
         and not p.logit_bias
         and row.step >= p.min_tokens
@@ -314,7 +324,7 @@ def takes_argmax(row: SamplingRow) -> bool:
 def _whole_distribution(params: SamplingParams) -> bool:
     """The row chooses from its whole (temperature-scaled) distribution: greedy, or no top-k,
     top-p or min-p."""
-    return params.temperature < _GREEDY_TEMPERATURE or (
+    return params.temperature < GREEDY_TEMPERATURE or (
         params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0
     )
 
@@ -337,56 +347,6 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def _index(values: Iterable[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.long, device=device)
-
-
-def _token_positions(
-    rows: Sequence[tuple[int, Sequence[int]]], vocab: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, token id) pairs of every in-vocabulary token of every row."""
-    row_ids: list[int] = []
-    token_ids: list[int] = []
-    for i, tokens in rows:
-        kept = [t for t in tokens if 0 <= t < vocab]
-        row_ids.extend([i] * len(kept))
-        token_ids.extend(kept)
-    return _index(row_ids, device), _index(token_ids, device)
-
-
-def _apply_repetition_penalty(out: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> None:
-    r, t = _token_positions(
-        [(i, [*row.prompt_token_ids, *row.output_token_ids]) for i, row in rows],
-        out.shape[1],
-        out.device,
-    )
-    penalty = torch.zeros(out.shape[0], dtype=out.dtype, device=out.device)
-    penalty[_index([i for i, _ in rows], out.device)] = torch.tensor(
-        [row.params.repetition_penalty for _, row in rows], dtype=out.dtype, device=out.device
-    )
-    seen = out[r, t]
-    # A token repeated in the history appears several times in (r, t); every copy is
-    # computed from the original logit, so the repeated writes agree.
-    penalized = torch.where(seen > 0, seen / penalty[r], seen * penalty[r])
-    out[r, t] = penalized.clamp_(-_LOGIT_LIMIT, _LOGIT_LIMIT)  # a penalty near 0 overflows
-
-
-def _apply_frequency_presence(out: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> None:
-    vocab = out.shape[1]
-    r, t = _token_positions([(i, row.output_token_ids) for i, row in rows], vocab, out.device)
-    if r.numel() == 0:
-        return
-    frequency = torch.zeros(out.shape[0], dtype=out.dtype, device=out.device)
-    presence = torch.zeros_like(frequency)
-    index = _index([i for i, _ in rows], out.device)
-    frequency[index] = torch.tensor(
-        [row.params.frequency_penalty for _, row in rows], dtype=out.dtype, device=out.device
-    )
-    presence[index] = torch.tensor(
-        [row.params.presence_penalty for _, row in rows], dtype=out.dtype, device=out.device
-    )
-    out.index_put_((r, t), -frequency[r], accumulate=True)  # once per occurrence
-    distinct = torch.unique(r * vocab + t)
-    ur, ut = distinct // vocab, distinct % vocab
-    out.index_put_((ur, ut), -presence[ur], accumulate=True)  # once per distinct token
 
 
 def _keys(rows: Sequence[SamplingRow]) -> list[int]:

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Temperatures below this are greedy: dividing logits by a smaller one overflows float32.
+GREEDY_TEMPERATURE = 1e-5
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses; `param` names the offending field."""

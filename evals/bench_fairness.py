@@ -18,7 +18,7 @@ from engine.llm_engine import LLMEngine
 from engine.model.loader import load_model
 from engine.request import Sequence
 from engine.sampling import SamplingParams
-from engine.sched.scheduler import SchedulerConfig
+from engine.sched.config import SchedulerConfig
 from evals.harness import token_prompt, write_results
 from evals.plots import line_chart
 

@@ -20,7 +20,7 @@ from engine.config import EngineConfig, KVConfig
 from engine.llm_engine import LLMEngine
 from engine.model.loader import load_model
 from engine.sampling import SamplingParams
-from engine.sched.scheduler import SchedulerConfig
+from engine.sched.config import SchedulerConfig
 from evals.harness import (
     engine_step_seconds,
     hf_reference_model,

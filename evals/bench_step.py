@@ -47,7 +47,7 @@ from engine.model.kernel_select import kernel_for
 from engine.model.loader import EMBEDDED_MODEL, load_model
 from engine.request import Sequence
 from engine.sampling import SamplingParams
-from engine.sched.scheduler import SchedulerConfig
+from engine.sched.config import SchedulerConfig
 from engine.step_profile import PHASES, StepProfile
 from evals.harness import token_prompt, write_results
 from evals.plots import bar_chart

@@ -30,7 +30,7 @@ from engine.model.kv_cache import auto_kv_cache_dtype
 from engine.model.linear_kernels import BFloat16GatedMLP, BFloat16Linear, PackedLinear
 from engine.offline import LLM
 from engine.sampling import SamplingParams
-from engine.sched.scheduler import SchedulerConfig
+from engine.sched.config import SchedulerConfig
 from evals.harness import engine_step_seconds, token_prompt, write_results
 
 # Bytes per weight a kernel reads at one row.

@@ -28,7 +28,7 @@ from engine.model.loader import LoadedModel
 from engine.request import Sequence, StepOutput
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
-from engine.sched.scheduler import SchedulerConfig
+from engine.sched.config import SchedulerConfig
 
 # Short prompts of different lengths (6 to 25 tokens with BOS).
 PROMPTS = [

@@ -12,7 +12,7 @@ import pytest
 
 from engine.async_engine import AsyncEngine, EngineOverloaded, RequestTooLarge
 from engine.request import FinishReason, Sequence
-from engine.sched.scheduler import SchedulerConfig
+from engine.sched.config import SchedulerConfig
 from tests.engine_harness import (
     PROMPTS,
     encode,

@@ -19,7 +19,7 @@ from engine.model.batch import ForwardBatch, GroupAttention
 from engine.model.loader import ModelLoadError, embedded_checkpoint_dir, load_model
 from engine.request import Sequence
 from engine.runner import ModelRunner
-from engine.sched.scheduler import SchedulerConfig
+from engine.sched.config import SchedulerConfig
 from tests.engine_harness import greedy, run
 from tests.kv_invariants import assert_all_released
 from tests.paged_driver import hf_greedy, hf_model

@@ -45,7 +45,8 @@ from engine.kv.layout import CacheGroupSpec
 from engine.kv.manager import KVCacheManager
 from engine.request import Sequence
 from engine.sampling import SamplingParams
-from engine.sched.scheduler import Scheduler, SchedulerConfig
+from engine.sched.config import SchedulerConfig
+from engine.sched.scheduler import Scheduler
 
 groups = [CacheGroupSpec("full", (0,), None, 64)]
 kv = KVCacheManager(groups, {"full": 8}, block_size=4)

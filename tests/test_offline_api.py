@@ -11,8 +11,8 @@ from engine.model.loader import ModelLoadError
 from engine.offline import LLM
 from engine.request import FinishReason, Sequence
 from engine.sampling import InvalidRequestError, SamplingParams
+from engine.sched.config import SchedulerConfig
 from engine.sched.output import plan_of
-from engine.sched.scheduler import SchedulerConfig
 from tests.engine_harness import one_torch_thread  # noqa: F401 (a fixture)
 from tests.kv_invariants import assert_all_released
 

@@ -19,7 +19,7 @@ from engine.llm_engine import LLMEngine
 from engine.prompt_logprobs import SLICE_ROWS
 from engine.request import FinishReason, Sequence
 from engine.sampling import SamplingParams
-from engine.sched.scheduler import SchedulerConfig
+from engine.sched.config import SchedulerConfig
 from tests.paged_driver import hf_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -22,7 +22,7 @@ from engine.model.kernel_select import kernel_for
 from engine.prompt_logprobs import positions_to_score
 from engine.request import FinishReason, Sequence, TokenLogprob
 from engine.sampling import SamplingParams
-from engine.sched.scheduler import SchedulerConfig
+from engine.sched.config import SchedulerConfig
 from tests.conftest import MODEL_ID, start_server, stop_server
 from tests.gateway_helpers import sse_chunks
 from tests.openapi_schema import COMPLETION_CHUNK, validate

@@ -1,9 +1,10 @@
 """The continuous-batching scheduler, its policies (fcfs, priority, vtc) and admission."""
 
 from engine.sched.admission import AddResult, AdmissionStatus
+from engine.sched.config import SchedulerConfig
 from engine.sched.output import ScheduledSeq, SchedulerOutput
 from engine.sched.policy import SCHEDULING_POLICIES, Policy, TokenCost, make_policy
-from engine.sched.scheduler import Scheduler, SchedulerConfig
+from engine.sched.scheduler import Scheduler
 from engine.sched.stats import SchedulerStats, TenantStats
 
 __all__ = [

@@ -9,6 +9,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from engine.request import Sequence
+from engine.sched.config import SchedulerConfig
 
 
 class AdmissionStatus(str, enum.Enum):
@@ -94,3 +95,45 @@ class CompletionRate:
     def _expire(self, now: float) -> None:
         while self._times and self._times[0] <= now - self.window_s:
             self._times.popleft()
+
+
+def refusal(
+    seq: Sequence,
+    need: int,
+    capacity: int,
+    inflight: InflightCounts,
+    num_waiting: int,
+    config: SchedulerConfig,
+) -> tuple[AdmissionStatus, str] | None:
+    """Why `seq` is refused, or None when it is accepted: it needs `need` tokens of KV where
+    one sequence can hold at most `capacity` (TOO_LARGE); its tenant or session is at its
+    in-flight limit (LIMITED); or `num_waiting` requests already fill the queue (OVERLOADED)."""
+    if need > capacity:
+        return (
+            AdmissionStatus.TOO_LARGE,
+            f"the request needs up to {need} tokens of KV cache (prompt of "
+            f"{seq.num_prompt_tokens} tokens, max_tokens {seq.sampling.max_tokens}) but the "
+            f"server holds at most {capacity}; shorten the prompt or lower max_tokens",
+        )
+    limit = config.max_inflight_per_tenant
+    if limit is not None and inflight.by_tenant[seq.tenant] >= limit:
+        return (
+            AdmissionStatus.LIMITED,
+            f"tenant {seq.tenant!r} already has {limit} requests in flight (the limit)",
+        )
+    limit = config.max_inflight_per_session
+    if (
+        limit is not None
+        and seq.session_id is not None
+        and inflight.by_session[seq.session_id] >= limit
+    ):
+        return (
+            AdmissionStatus.LIMITED,
+            f"session {seq.session_id!r} already has {limit} requests in flight (the limit)",
+        )
+    if num_waiting >= config.max_queue_len:
+        return (
+            AdmissionStatus.OVERLOADED,
+            f"the server is overloaded: {num_waiting} requests are waiting (the limit)",
+        )
+    return None

@@ -5,10 +5,10 @@ How the engine drives it, once per step:
 
     result = sched.add(seq)                  # any time; refused requests get a reason
     out = sched.schedule()                   # what to compute this step
-    ... build the ForwardBatch from out.scheduled (positions start .. start+n-1, slots from
-        the KV manager, which still sees seq.num_computed_tokens == start), run it, sample a
-        token for every item with `samples`, append it to seq.output_token_ids, decide stops
-    sched.update(out, finished={seq_id: reason, ...})   # advance, commit KV, retire
+    ... run out (each scheduled chunk carries its positions start .. start+n-1 and its KV
+        slots and blocks), sample a token for every item with `samples`, append it to
+        seq.output_token_ids, decide stops
+    sched.update(out, finished={seq_id: reason, ...}, attention)  # advance, commit, retire
     sched.abort(seq_id)                      # any time between steps: the client went away
 
 The split: the scheduler advances seq.num_computed_tokens (in update()), commits and frees
@@ -27,51 +27,22 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SequenceOf
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 
 from engine.kv.manager import KVCacheManager
 from engine.kv.session_eviction import KeyMass
 from engine.request import FinishReason, Sequence, SequenceStatus
-from engine.sched.admission import AddResult, AdmissionStatus, CompletionRate, InflightCounts
+from engine.sched.admission import (
+    AddResult,
+    AdmissionStatus,
+    CompletionRate,
+    InflightCounts,
+    refusal,
+)
+from engine.sched.config import MAX_AUTO_BATCH, SchedulerConfig
 from engine.sched.output import ScheduledSeq, SchedulerOutput
-from engine.sched.policy import TokenCost, make_policy
+from engine.sched.policy import make_policy
 from engine.sched.stats import SchedulerStats, TenantLedger, TenantStats
 from engine.sched.tenants import IdleTenants
-
-# The most sequences an automatic batch limit runs at once (vLLM's default max_num_seqs).
-MAX_AUTO_BATCH = 256
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    policy: str = "vtc"  # "fcfs", "priority" or "vtc"
-    # Most sequences running at once (MAX_BATCH_SIZE); None: the engine sizes it from memory
-    # and the step budget (engine.llm_engine.auto_max_num_seqs), a bare scheduler runs up to
-    # MAX_AUTO_BATCH.
-    max_num_seqs: int | None = None
-    # Token budget of one step: decodes + prefill chunks. 2048 as vLLM's CPU server: a long
-    # prompt's GEMMs run at more rows per call, and a window-bound prefill in fewer chunks
-    # (`python -m evals.bench_peers`, its long-prompt point).
-    max_num_batched_tokens: int = 2048
-    max_queue_len: int = 256  # waiting requests before add() answers OVERLOADED (MAX_QUEUE_LEN)
-    max_inflight_per_tenant: int | None = None  # accepted, unfinished requests; None: no limit
-    max_inflight_per_session: int | None = None
-    token_cost: TokenCost = field(default_factory=TokenCost)  # w_p, w_q for vtc and the ledger
-    retry_window_s: float = 30.0  # completions counted for the Retry-After estimate
-    session_kv_idle_s: float | None = 300.0  # session pins idle this long are released
-    # Idle tenants' counters and service are forgotten after this long, or least recently
-    # active first beyond max_idle_tenants (engine.sched.tenants); None: never.
-    tenant_idle_s: float | None = 600.0
-    max_idle_tenants: int | None = 1024
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_queue_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_num_seqs", "max_inflight_per_tenant", "max_inflight_per_session"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1 or None, got {value}")
 
 
 def _prefilling(seq: Sequence) -> bool:
@@ -345,37 +316,12 @@ class Scheduler:
 
     def _admission_check(self, seq: Sequence) -> AddResult:
         need, capacity = self.kv_tokens_needed(seq), self.kv_capacity_tokens
-        if need > capacity:
-            return AddResult(
-                AdmissionStatus.TOO_LARGE,
-                f"the request needs up to {need} tokens of KV cache (prompt of "
-                f"{seq.num_prompt_tokens} tokens, max_tokens {seq.sampling.max_tokens}) but the "
-                f"server holds at most {capacity}; shorten the prompt or lower max_tokens",
-            )
-        limit = self.config.max_inflight_per_tenant
-        if limit is not None and self._inflight.by_tenant[seq.tenant] >= limit:
-            return self._refuse(
-                AdmissionStatus.LIMITED,
-                f"tenant {seq.tenant!r} already has {limit} requests in flight (the limit)",
-            )
-        limit = self.config.max_inflight_per_session
-        if (
-            limit is not None
-            and seq.session_id is not None
-            and self._inflight.by_session[seq.session_id] >= limit
-        ):
-            return self._refuse(
-                AdmissionStatus.LIMITED,
-                f"session {seq.session_id!r} already has {limit} requests in flight (the limit)",
-            )
-        if len(self.waiting) >= self.config.max_queue_len:
-            return self._refuse(
-                AdmissionStatus.OVERLOADED,
-                f"the server is overloaded: {len(self.waiting)} requests are waiting (the limit)",
-            )
-        return AddResult(AdmissionStatus.ACCEPTED)
-
-    def _refuse(self, status: AdmissionStatus, message: str) -> AddResult:
+        refused = refusal(seq, need, capacity, self._inflight, len(self.waiting), self.config)
+        if refused is None:
+            return AddResult(AdmissionStatus.ACCEPTED)
+        status, message = refused
+        if status is AdmissionStatus.TOO_LARGE:
+            return AddResult(status, message)  # retrying cannot help
         return AddResult(status, message, self._completions.retry_after_s(self._clock()))
 
     @staticmethod
