@@ -12,6 +12,7 @@ generated itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import msgspec
@@ -31,41 +32,11 @@ from compat.request_types import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from compat.response_types import (
-    ChatCompletion,
-    Completion,
-    DetokenizeResponse,
-    Model,
-    ModelList,
-    TokenizeResponse,
-)
 from compat.responses_types import (
     CreateResponseRequest,
-    DeletedResponse,
-    InputItemList,
-    Response,
 )
-from web.loadgen import LoadConfig
 
 JSON = "application/json"
-_TYPES: tuple[type[msgspec.Struct], ...] = (
-    CompletionRequest,
-    ChatCompletionRequest,
-    TokenizeRequest,
-    DetokenizeRequest,
-    LoadConfig,
-    Completion,
-    ChatCompletion,
-    Model,
-    ModelList,
-    TokenizeResponse,
-    DetokenizeResponse,
-    ErrorResponse,
-    CreateResponseRequest,
-    Response,
-    DeletedResponse,
-    InputItemList,
-)
 
 # JSON Schema keywords whose value is a schema, a list of schemas or a map of them.
 _SUBSCHEMA = {"items", "additionalProperties", "not"}
@@ -118,11 +89,14 @@ OPEN_BODIES: frozenset[type[msgspec.Struct]] = frozenset(
         CreateResponseRequest,
     }
 )
-_ROOTS, _DEFINITIONS = msgspec.json.schema_components(_TYPES)
-SCHEMAS: dict[type[msgspec.Struct], Schema] = {
-    type_: to_litestar_schema(root, _DEFINITIONS, open_objects=type_ in OPEN_BODIES)
-    for type_, root in zip(_TYPES, _ROOTS, strict=True)
-}
+
+
+@cache
+def schema_of(type_: type[msgspec.Struct]) -> Schema:
+    """The OpenAPI schema of a request or response struct (its definitions inlined), made
+    once per type; bodies in OPEN_BODIES accept unknown fields."""
+    (root,), definitions = msgspec.json.schema_components((type_,))
+    return to_litestar_schema(root, definitions, open_objects=type_ in OPEN_BODIES)
 
 
 def _content(schema: Schema, media_type: str = JSON) -> dict[str, OpenAPIMediaType]:
@@ -131,7 +105,7 @@ def _content(schema: Schema, media_type: str = JSON) -> dict[str, OpenAPIMediaTy
 
 _ERROR = OpenAPIResponse(
     description="An OpenAI-shaped error: {error: {message, type, param, code}}.",
-    content=_content(SCHEMAS[ErrorResponse]),
+    content=_content(schema_of(ErrorResponse)),
 )
 _SSE = Schema(type=OpenAPIType.STRING, description="`data: <chunk JSON>` events, then [DONE]")
 
@@ -147,14 +121,16 @@ def operation(
     """An `operation_class` for a route: its JSON body type (if any), its 200 response (a
     struct, or a schema of `media_type`), SSE as well when it `streams`, and the error shape
     for every other status. `extra` adds responses by status."""
-    ok_schema = SCHEMAS[response] if isinstance(response, type) else response
+    ok_schema = schema_of(response) if isinstance(response, type) else response
     ok = _content(ok_schema, media_type)
     if streams:
         ok |= _content(_SSE, "text/event-stream")
     responses = {"200": OpenAPIResponse(description="OK", content=ok), **(extra or {})}
     responses["default"] = _ERROR
     body = (
-        None if request is None else RequestBody(content=_content(SCHEMAS[request]), required=True)
+        None
+        if request is None
+        else RequestBody(content=_content(schema_of(request)), required=True)
     )
 
     @dataclass
