@@ -13,11 +13,11 @@ from engine.backends import create_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.llm_engine import LLMEngine
-from engine.model.kernel_select import kernel_for
+from engine.model.kernel_select import CPU_ONLY_LIBRARIES, kernel_for
 from engine.model.loader import LoadedModel, load_model
 
-# WEIGHTS modes that only CPU libraries run (oneDNN, fbgemm: engine.model.kernel_select).
-CPU_WEIGHTS = ("bf16", "bf16-int8head", "int8")
+# WEIGHTS modes that only CPU libraries run (oneDNN, fbgemm).
+CPU_WEIGHTS = tuple(CPU_ONLY_LIBRARIES)
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ def has_vnni() -> bool:
 def int8_weight_max() -> int:
     """The largest int8 weight magnitude the int8 kernels quantize to: 127 with VNNI; 63 without,
     so that a u8 activation times a weight, summed in pairs, stays within int16 (255 * 63 * 2 <
-    32767). Measured on an AVX2 CPU without VNNI (evals/quality.py, int8): 8-bit weights
-    saturated to perplexity x1.050; 7-bit weights x1.040; 7-bit activations instead x1.155."""
+    32767). `python -m evals.quality` measured 7-bit weights against saturating 8-bit ones and
+    7-bit activations on such a CPU (docs/kernels.md, "Weight modes")."""
     return 127 if has_vnni() else 63
 
 

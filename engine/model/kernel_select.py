@@ -33,7 +33,8 @@ from engine.model.int8_kernels import DynamicInt8Linear, OneDNNInt8Linear
 from engine.model.linear_kernels import BFloat16GatedMLP, BFloat16Linear, PackedLinear, row_buckets
 
 WEIGHT_MODES = ("auto", "fp32", "bf16", "bf16-int8head", "int8")
-_CPU_ONLY = {"bf16": "oneDNN", "bf16-int8head": "oneDNN", "int8": "oneDNN or fbgemm"}
+# WEIGHTS modes that only CPU libraries run, and which.
+CPU_ONLY_LIBRARIES = {"bf16": "oneDNN", "bf16-int8head": "oneDNN", "int8": "oneDNN or fbgemm"}
 # Modes whose LM head runs another kernel than the body: (body, head).
 _SPLIT_KERNELS = {"bf16-int8head": ("bf16", "int8")}
 NUMERICS_MODES = ("exact", "fast")
@@ -43,12 +44,10 @@ def kernel_for(weights: str, numerics: str, device: torch.device) -> str:
     """`exact`, `packed`, `bf16`, `bf16-int8head` or `int8` for the WEIGHTS / NUMERICS settings
     on `device`.
 
-    WEIGHTS=auto on CPU is bf16-int8head where the CPU has AMX tiles: there int8 ran the LM
-    head, the largest matrix, about twice as fast as bfloat16 (evals/bench_kernels.py) for 0.5%
-    more perplexity than float32, while int8 layers, only 4-17% faster than bfloat16 ones, took
-    int8 everywhere to 3.6% (evals/quality.py). Without AMX it is int8, which decoded 3.9x
-    faster than float32 on such a CPU for a 2.7% higher perplexity (evals/bench_forward.py).
-    The DTYPE weights elsewhere.
+    WEIGHTS=auto on CPU is bf16-int8head where the CPU has AMX tiles (an int8 LM head is much
+    faster there for little perplexity, int8 layers gain less and cost more), int8 without
+    AMX, and the DTYPE weights elsewhere. `python -m evals.bench_kernels`, `evals.quality` and
+    `evals.bench_forward` measure the trade (docs/kernels.md, "The default").
     """
     if weights not in WEIGHT_MODES:
         raise ValueError(f"unknown WEIGHTS {weights!r}: expected one of {', '.join(WEIGHT_MODES)}")
@@ -58,10 +57,10 @@ def kernel_for(weights: str, numerics: str, device: torch.device) -> str:
         )
     if weights == "auto":
         weights = ("bf16-int8head" if has_amx() else "int8") if device.type == "cpu" else "fp32"
-    if weights in _CPU_ONLY:  # approximate whatever NUMERICS says
+    if weights in CPU_ONLY_LIBRARIES:  # approximate whatever NUMERICS says
         if device.type != "cpu":
             raise ValueError(
-                f"WEIGHTS={weights} uses {_CPU_ONLY[weights]}, a CPU kernel; "
+                f"WEIGHTS={weights} uses {CPU_ONLY_LIBRARIES[weights]}, a CPU kernel; "
                 f"not available on {device}"
             )
         if weights.startswith("bf16") and not has_bf16():
@@ -87,7 +86,7 @@ def body_and_head(kernel: str) -> tuple[str, str]:
 
 def int8_linear_class() -> type[nn.Module]:
     """The int8 kernel for this CPU: oneDNN where it has AMX tiles (measured there, see
-    OneDNNInt8Linear), fbgemm elsewhere (measured faster than float32 on an AVX2 CPU)."""
+    OneDNNInt8Linear), fbgemm elsewhere (docs/kernels.md, "The default")."""
     return OneDNNInt8Linear if has_amx() else DynamicInt8Linear
 
 
