@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import structlog
 from transformers import PreTrainedTokenizerBase
 
+from engine import status
 from engine.host_memory import HeapTrimmer
 from engine.llm_engine import LLMEngine, StepFailed
 from engine.metrics import EngineGauges, ServingMetrics
@@ -294,37 +295,12 @@ class AsyncEngine:
     # ------------------------------------------------------------------ statistics
 
     def gauges(self) -> EngineGauges:
-        """Scheduler and KV state for Prometheus, computed when /metrics is scraped rather than
-        over every tenant each step."""
-        stats = self.engine.scheduler.stats()
-        prefix = self.engine.kv.stats()["prefix_cache"]
-        return EngineGauges(
-            running=stats.num_running,
-            waiting=stats.num_waiting,
-            kv_usage=stats.kv_usage,
-            prefix_queries=prefix["query_tokens"],
-            prefix_hits=prefix["hit_tokens"],
-            preemptions=stats.num_preemptions,
-            tenants=stats.tenants,
-        )
+        """Scheduler and KV state for Prometheus (engine.status.gauges)."""
+        return status.gauges(self.engine)
 
     def snapshot(self) -> dict:
-        """Everything the dashboard shows: latency windows, scheduler and KV state."""
-        stats = self.engine.scheduler.stats()
-        fairness = self.metrics.fairness(stats.tenants)
-        scheduler = stats.to_dict()
-        # Clients may name a new tenant per request: list only the tenants the fairness part
-        # (and /metrics) shows, at most METRICS_MAX_TENANTS; num_tenants counts every known one.
-        scheduler["num_tenants"] = len(stats.tenants)
-        scheduler["tenants"] = {name: scheduler["tenants"][name] for name in fairness["tenants"]}
-        return {
-            "metrics": self.metrics.snapshot(),
-            "scheduler": scheduler,
-            "fairness": fairness,
-            "kv": self.engine.kv.stats(),
-            "steps": self.engine.num_steps,
-            "step_profile": self.engine.profile.summary(),
-        }
+        """Everything the dashboard shows (engine.status.snapshot)."""
+        return status.snapshot(self.engine, self.metrics)
 
     # ------------------------------------------------------------------ the loop
 

@@ -1,11 +1,11 @@
 """Turning a stream of sampled tokens into a stream of text, and deciding when to stop.
 
-Per step the engine appends the new token to the sequence, asks `check_stop` whether a token
-rule (EOS, stop token id, length) ends it, and hands both to the sequence's
+Per step the engine asks `check_stop` whether a token rule (EOS, stop token id, length) ends
+the sequence with its newly sampled token, and hands both to the sequence's
 `IncrementalDetokenizer.update`, which returns the text that became visible and the final
-finish reason (a stop string may end the sequence even when no token rule did):
+finish reason (a stop string may end the sequence even when no token rule did); the scheduler
+then appends the token (Scheduler.update):
 
-    seq.output_token_ids.append(token)
     step = detokenizer.update(token, check_stop(seq, token, eos_token_ids, max_model_len))
 
 Streamed text never shows half a UTF-8 character, nor the start of a stop string that is
@@ -41,21 +41,22 @@ def check_stop(
     eos_token_ids: Collection[int],
     max_model_len: int | None = None,
 ) -> FinishReason | None:
-    """Whether `new_token`, already appended to seq.output_token_ids, ends the sequence.
+    """Whether `new_token`, sampled for seq and not yet appended to its output, ends it.
 
     STOP for an EOS token (unless ignore_eos) or a stop token id, but not while the output is
     within min_tokens (the sampler suppresses those tokens then); LENGTH once max_tokens tokens
     were generated or the sequence fills max_model_len. Stop strings are the detokenizer's.
     """
     params = seq.sampling
-    if seq.num_output_tokens > params.min_tokens:
+    num_output = seq.num_output_tokens + 1  # with new_token
+    if num_output > params.min_tokens:
         if new_token in params.stop_token_ids:
             return FinishReason.STOP
         if not params.ignore_eos and new_token in eos_token_ids:
             return FinishReason.STOP
-    if seq.num_output_tokens >= params.max_tokens:
+    if num_output >= params.max_tokens:
         return FinishReason.LENGTH
-    if max_model_len is not None and seq.num_tokens >= max_model_len:
+    if max_model_len is not None and seq.num_tokens + 1 >= max_model_len:
         return FinishReason.LENGTH
     return None
 

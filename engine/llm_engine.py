@@ -3,8 +3,9 @@
 No threads and no asyncio here (see `engine.async_engine` for serving). Each step:
 
     scheduler.schedule() -> runner (ForwardBatch -> model; prompt logprobs reduced)
-    -> sampler (grammar masks) -> grammars advanced, detokenizers
-    -> scheduler.update()  (advance computed tokens, commit KV blocks, retire finished)
+    -> sampler (grammar masks) -> grammars advanced, detokenizers, stops decided
+    -> scheduler.update(plan, StepResult)  (append tokens, advance, commit KV, retire finished)
+    -> a StepOutput per sequence that got a token or finished
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.backends.base import InferenceBackend
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, check_stop
+from engine.detokenizer import DetokenizedStep, IncrementalDetokenizer, check_stop
 from engine.faults import FaultInjector
 from engine.kv.integrity import KVIntegrityError
 from engine.kv.layout import SharedPages
@@ -34,7 +35,7 @@ from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplerOutput, SamplingRow, takes_argmax
 from engine.sched.admission import AddResult
 from engine.sched.config import MAX_AUTO_BATCH, SchedulerConfig
-from engine.sched.output import SchedulerOutput
+from engine.sched.output import SchedulerOutput, StepResult
 from engine.sched.scheduler import Scheduler
 from engine.step_profile import StepProfile
 from engine.structured.compiler import GrammarCompiler
@@ -195,7 +196,8 @@ class LLMEngine:
         return outputs
 
     def _run(self, plan: SchedulerOutput) -> list[tuple[Sequence, StepOutput]]:
-        """Forward, sample and detokenize the scheduled chunks, then update the scheduler."""
+        """Forward, sample and detokenize the scheduled chunks, update the scheduler, and
+        report what each sequence got."""
         profile, faults = self.profile, self.faults  # faults: None unless FAULT_INJECTION is set
         sampling = [item.seq for item in plan.scheduled if item.samples]
         with profile.phase("batch"):
@@ -206,12 +208,10 @@ class LLMEngine:
             if faults is not None:
                 faults.check("forward", plan.scheduled)
             result = self.runner.forward(batch, greedy=greedy)
-        if result.prompt_logprobs is not None:
-            for item, scored in zip(plan.scheduled, result.prompt_logprobs, strict=True):
-                item.seq.prompt_logprobs.extend(scored)
 
-        outputs: list[tuple[Sequence, StepOutput]] = []
         finished: dict[int, FinishReason] = {}
+        texts: list[DetokenizedStep] = []
+        sampled = SamplerOutput([], [])
         if sampling:
             with profile.phase("sample"):
                 if result.token_ids is not None:
@@ -220,28 +220,36 @@ class LLMEngine:
                     assert result.logits is not None
                     sampled = self.sampler.sample(result.logits, rows)
             with profile.phase("detokenize"):
-                for seq, token, logprob in zip(
-                    sampling, sampled.token_ids, sampled.logprobs, strict=True
-                ):
-                    outputs.append(self._emit(seq, token, logprob, finished))
-        for item in plan.scheduled:
-            if item.ends_prefill and item.seq.sampling.max_tokens == 0:
-                outputs.append(self._end_prefill_only(item.seq, finished))
+                for seq, token in zip(sampling, sampled.token_ids, strict=True):
+                    texts.append(self._detokenize(seq, token, finished))
+        prefill_only = [
+            item.seq
+            for item in plan.scheduled
+            if item.ends_prefill and item.seq.sampling.max_tokens == 0
+        ]
+        for seq in prefill_only:  # its prompt is computed: it ends without a token
+            finished[seq.seq_id] = FinishReason.LENGTH
+            self._detokenizers.pop(seq.seq_id, None)
+            seq.grammar = None
         if faults is not None:
             faults.check("step", plan.scheduled)
+        tokens = {seq.seq_id: token for seq, token in zip(sampling, sampled.token_ids, strict=True)}
         with profile.phase("schedule"):
-            self.scheduler.update(plan, finished, result.attention_mass)
-        return outputs
+            self.scheduler.update(
+                plan, StepResult(tokens, finished, result.prompt_logprobs, result.attention_mass)
+            )
+        outputs = [
+            (seq, _token_output(seq, token, logprob, text))
+            for seq, token, logprob, text in zip(
+                sampling, sampled.token_ids, sampled.logprobs, texts, strict=True
+            )
+        ]
+        return outputs + [(seq, _prefill_only_output(seq)) for seq in prefill_only]
 
-    def _emit(
-        self,
-        seq: Sequence,
-        token: int,
-        logprob: TokenLogprob | None,
-        finished: dict[int, FinishReason],
-    ) -> tuple[Sequence, StepOutput]:
-        """Append a sampled token to `seq`, detokenize it and check stops (noting in `finished`)."""
-        seq.output_token_ids.append(token)
+    def _detokenize(
+        self, seq: Sequence, token: int, finished: dict[int, FinishReason]
+    ) -> DetokenizedStep:
+        """The text `token` adds to seq's output and whether it ends it (noted in `finished`)."""
         reason = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
         completed_grammar = False
         if seq.grammar is not None:
@@ -249,49 +257,11 @@ class LLMEngine:
         text = self._detokenizers[seq.seq_id].update(
             token, reason, stop_token=not completed_grammar
         )
-        finish_reason = text.finish_reason
-        if finish_reason is not None:
-            finished[seq.seq_id] = finish_reason
+        if text.finish_reason is not None:
+            finished[seq.seq_id] = text.finish_reason
             self._detokenizers.pop(seq.seq_id)
             seq.grammar = None
-        return (
-            seq,
-            StepOutput(
-                request_id=seq.request_id,
-                new_token_ids=[token],
-                new_text=text.text,
-                logprobs=None if logprob is None else [logprob],
-                # With the first token: its step ended the prompt's prefill.
-                prompt_logprobs=_prompt_logprobs(seq) if seq.num_output_tokens == 1 else None,
-                finished=finish_reason is not None,
-                finish_reason=finish_reason,
-                num_prompt_tokens=seq.num_prompt_tokens,
-                num_output_tokens=seq.num_output_tokens,
-                num_cached_tokens=seq.num_cached_prompt_tokens,
-            ),
-        )
-
-    def _end_prefill_only(
-        self, seq: Sequence, finished: dict[int, FinishReason]
-    ) -> tuple[Sequence, StepOutput]:
-        """A sequence with max_tokens 0 whose prompt is now computed: it ends without a
-        token (LENGTH), with its prompt logprobs if it asked for them."""
-        finished[seq.seq_id] = FinishReason.LENGTH
-        self._detokenizers.pop(seq.seq_id, None)
-        seq.grammar = None
-        return (
-            seq,
-            StepOutput(
-                request_id=seq.request_id,
-                new_token_ids=[],
-                new_text="",
-                prompt_logprobs=_prompt_logprobs(seq),
-                finished=True,
-                finish_reason=FinishReason.LENGTH,
-                num_prompt_tokens=seq.num_prompt_tokens,
-                num_cached_tokens=seq.num_cached_prompt_tokens,
-            ),
-        )
+        return text
 
     @staticmethod
     def _advance_grammar(
@@ -323,6 +293,40 @@ class LLMEngine:
         if grammar.is_terminated:
             return FinishReason.STOP, True
         return reason, False
+
+
+def _token_output(
+    seq: Sequence, token: int, logprob: TokenLogprob | None, text: DetokenizedStep
+) -> StepOutput:
+    """What a sequence got this step, its token appended already."""
+    return StepOutput(
+        request_id=seq.request_id,
+        new_token_ids=[token],
+        new_text=text.text,
+        logprobs=None if logprob is None else [logprob],
+        # With the first token: its step ended the prompt's prefill.
+        prompt_logprobs=_prompt_logprobs(seq) if seq.num_output_tokens == 1 else None,
+        finished=text.finish_reason is not None,
+        finish_reason=text.finish_reason,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_output_tokens=seq.num_output_tokens,
+        num_cached_tokens=seq.num_cached_prompt_tokens,
+    )
+
+
+def _prefill_only_output(seq: Sequence) -> StepOutput:
+    """A sequence with max_tokens 0 whose prompt is computed: it ends without a token
+    (LENGTH), with its prompt logprobs if it asked for them."""
+    return StepOutput(
+        request_id=seq.request_id,
+        new_token_ids=[],
+        new_text="",
+        prompt_logprobs=_prompt_logprobs(seq),
+        finished=True,
+        finish_reason=FinishReason.LENGTH,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_cached_tokens=seq.num_cached_prompt_tokens,
+    )
 
 
 def _prompt_logprobs(seq: Sequence) -> list[TokenLogprob] | None:

@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from engine.logprobs import token_logprobs
 from engine.request import Sequence, TokenLogprob
-from engine.sampler import token_logprobs
 
 # Rows of logits made at once: 32 rows of a 262,144-token vocabulary are 32 MiB in float32.
 SLICE_ROWS = 32

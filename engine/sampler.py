@@ -39,8 +39,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.logits_processors import adjust_logits, index_tensor
+from engine.logprobs import sampled_logprobs
 from engine.model import cpu_ops
-from engine.penalties import apply_frequency_presence, apply_repetition_penalty
 from engine.random_draw import draw, inverse_temperatures, race, seeded_key
 from engine.request import Sequence as EngineSequence
 from engine.request import TokenLogprob
@@ -119,12 +120,14 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         logits = logits.float()
-        processed = self.adjust_logits(logits, rows)
+        processed = adjust_logits(logits, rows, self.eos_token_ids)
         token_ids = self._choose(processed, rows)
         if any(r.grammar is not None for r in rows):
             self._constrain(processed, rows, token_ids)
         ids = token_ids.tolist()
-        return SamplerOutput(ids, _logprobs(logits, rows, token_ids, ids))
+        return SamplerOutput(
+            ids, sampled_logprobs(logits, [r.params.logprobs for r in rows], token_ids)
+        )
 
     def _constrain(
         self, processed: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor
@@ -157,7 +160,7 @@ class Sampler:
             else:
                 full.append(j)
         if full:
-            index = _index([redo[j] for j in full], processed.device)
+            index = index_tensor([redo[j] for j in full], processed.device)
             masked = processed[index]  # a copy: the caller's logits stay as they were
             apply_bitmask_rows(masked, bitmask[full], list(range(len(full))))
             token_ids[index] = self._choose(masked, [retried[j] for j in full])
@@ -188,11 +191,11 @@ class Sampler:
         else:
             token_ids = torch.empty(len(rows), dtype=torch.long, device=processed.device)
             if greedy:
-                index = _index(greedy, processed.device)
+                index = index_tensor(greedy, processed.device)
                 token_ids[index] = _argmax(processed[index])
             greedy_set = set(greedy)
             drawn = [i for i in range(len(rows)) if i not in greedy_set]
-            index = _index(drawn, processed.device)
+            index = index_tensor(drawn, processed.device)
             drawn_logits = processed[index]
             token_ids[index] = _draw(
                 drawn_logits, [rows[i] for i in drawn], self._probs_buffer(drawn_logits)
@@ -233,61 +236,6 @@ class Sampler:
             buffer = torch.empty(max(rows, buffer.shape[0]), words, dtype=torch.int32)
             self._bitmask = buffer
         return buffer[:rows]
-
-    def adjust_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Steps 1-4 of the module docstring; returns `logits` itself when no row needs them."""
-        vocab = logits.shape[1]
-        bias: list[tuple[int, int, float]] = []
-        banned: list[tuple[int, int]] = []
-        repetition: list[int] = []
-        frequency_presence: list[int] = []
-        for i, row in enumerate(rows):
-            p = row.params
-            # Ids outside the vocabulary are ignored rather than failing the whole batch.
-            bias.extend((i, t, b) for t, b in p.logit_bias.items() if 0 <= t < vocab)
-            if row.step < p.min_tokens:
-                stop_ids = set(p.stop_token_ids)
-                if not p.ignore_eos:
-                    stop_ids.update(self.eos_token_ids)
-                banned.extend((i, t) for t in stop_ids if 0 <= t < vocab)
-            if p.repetition_penalty != 1.0:
-                repetition.append(i)
-            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-                frequency_presence.append(i)
-        if not (bias or banned or repetition or frequency_presence):
-            return logits
-
-        out = logits.clone()
-        device = logits.device
-        if bias:
-            b_rows, b_cols, b_vals = zip(*bias, strict=True)
-            out.index_put_(
-                (_index(b_rows, device), _index(b_cols, device)),
-                torch.tensor(b_vals, dtype=out.dtype, device=device),
-                accumulate=True,
-            )
-        if repetition:
-            apply_repetition_penalty(
-                out,
-                [
-                    (i, [*rows[i].prompt_token_ids, *rows[i].output_token_ids],
-                     rows[i].params.repetition_penalty)
-                    for i in repetition
-                ],
-            )  # fmt: skip
-        if frequency_presence:
-            apply_frequency_presence(
-                out,
-                [
-                    (i, rows[i].output_token_ids, rows[i].params.frequency_penalty,
-                     rows[i].params.presence_penalty)
-                    for i in frequency_presence
-                ],
-            )  # fmt: skip
-        if banned:
-            ban_rows, ban_cols = zip(*banned, strict=True)
-            out[_index(ban_rows, device), _index(ban_cols, device)] = float("-inf")
-        return out
 
 
 def _choose_among(logits: torch.Tensor, allowed: torch.Tensor, row: SamplingRow) -> int:
@@ -345,10 +293,6 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def _index(values: Iterable[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.long, device=device)
-
-
 def _keys(rows: Sequence[SamplingRow]) -> list[int]:
     """One race key in [0, 2^63) per row: seeded_key for a seeded row; else a fresh one from
     torch's global generator."""
@@ -363,48 +307,3 @@ def _keys(rows: Sequence[SamplingRow]) -> list[int]:
 def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow], scratch: torch.Tensor) -> torch.Tensor:
     """Random (non-greedy) rows: random_draw.draw with each row's parameters and key."""
     return draw(logits, [r.params for r in rows], _keys(rows), scratch)
-
-
-def _logprobs(
-    logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor, ids: list[int]
-) -> list[TokenLogprob | None]:
-    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    result: list[TokenLogprob | None] = [None] * len(rows)
-    if not wanted:
-        return result
-    index = _index(wanted, logits.device)
-    entries = token_logprobs(
-        torch.log_softmax(logits[index], dim=-1),
-        token_ids[index],
-        [rows[i].params.logprobs or 0 for i in wanted],
-    )
-    for i, entry in zip(wanted, entries, strict=True):
-        result[i] = entry
-    return result
-
-
-def token_logprobs(
-    logprobs: torch.Tensor, targets: torch.Tensor, top: Sequence[int], *, rank: bool = False
-) -> list[TokenLogprob]:
-    """Per row of `logprobs` ([R, vocab] log-softmax): the logprob of `targets[row]`, the
-    row's `top[row]` most likely tokens and, with `rank`, the target's rank (1: the most
-    likely; a pass over the vocabulary, so only where asked)."""
-    chosen = logprobs.gather(1, targets.to(logprobs.device)[:, None])
-    values = chosen.squeeze(1).tolist()
-    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist() if rank else [None] * len(values)
-    most = max(top, default=0)
-    best_ids: list[list[int]] = [[] for _ in values]
-    best_values: list[list[float]] = [[] for _ in values]
-    if most:
-        best = logprobs.topk(most, dim=-1)
-        best_ids, best_values = best.indices.tolist(), best.values.tolist()
-    target_ids = targets.tolist()
-    return [
-        TokenLogprob(
-            token_id=target_ids[j],
-            logprob=values[j],
-            top=list(zip(best_ids[j][:k], best_values[j][:k], strict=True)),
-            rank=ranks[j],
-        )
-        for j, k in enumerate(top)
-    ]

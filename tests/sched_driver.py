@@ -9,7 +9,7 @@ from engine.kv.layout import CacheGroupSpec
 from engine.kv.manager import KVCacheManager
 from engine.request import FinishReason, Sequence
 from engine.sampling import SamplingParams
-from engine.sched import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.sched import Scheduler, SchedulerConfig, SchedulerOutput, StepResult
 
 SAMPLED_TOKEN = 7
 _prompt_tokens = itertools.count(1000)  # distinct prompts: no accidental prefix-cache hits
@@ -54,13 +54,13 @@ def run_step(sched: Scheduler) -> SchedulerOutput:
     """schedule() -> "model" -> update(): every sampling sequence gets SAMPLED_TOKEN and
     finishes with LENGTH at max_tokens."""
     out = sched.schedule()
-    finished = {}
+    sampled, finished = {}, {}
     for item in out.scheduled:
         if item.samples:
-            item.seq.output_token_ids.append(SAMPLED_TOKEN)
-            if item.seq.num_output_tokens >= item.seq.sampling.max_tokens:
+            sampled[item.seq.seq_id] = SAMPLED_TOKEN
+            if item.seq.num_output_tokens + 1 >= item.seq.sampling.max_tokens:
                 finished[item.seq.seq_id] = FinishReason.LENGTH
-    sched.update(out, finished)
+    sched.update(out, StepResult(sampled, finished))
     return out
 
 

@@ -72,8 +72,8 @@ def stream(
     detok = IncrementalDetokenizer(tokenizer, prompt, seq.sampling)
     steps = []
     for token in output:
-        seq.output_token_ids.append(token)
         steps.append(detok.update(token, check_stop(seq, token, eos_ids)))
+        seq.output_token_ids.append(token)
         if steps[-1].finish_reason is not None:
             break
     return steps, seq, detok
@@ -302,7 +302,7 @@ def sequence_with(output: list[int], **params) -> EngineSequence:
     ],
 )
 def test_check_stop(output, params, max_model_len, expected):
-    seq = sequence_with(output, **params)
+    seq = sequence_with(output[:-1], **params)  # output[-1] is the token just sampled
     assert check_stop(seq, output[-1], {1, 106}, max_model_len) is expected
 
 

@@ -97,7 +97,8 @@ async def test_ten_thousand_tenants_leave_bounded_state(server: RunningServer) -
     # the per-step scheduling cost flat.
     assert late["metrics_bytes"] <= early["metrics_bytes"] * 1.1, (early, late)
     assert late["schedule_ms"] <= 2 * early["schedule_ms"] + 0.5, (early, late)
-    # And the process's memory: what state each tenant leaves would grow it in proportion
-    # (4,500 tenants more: under 5.5 KB each). Measured from the middle, once the allocator's
-    # arenas have reached the size this traffic keeps them at.
-    assert late["rss"] - middle["rss"] < 24 * 2**20, (early, middle, late)
+    # And the process's memory, a backstop for large per-tenant leaks (a tenant's Prometheus
+    # series with their histograms would be several KB each): 4,500 tenants more, under 9 KB
+    # each. Measured from the middle, once the allocator's arenas have reached the size this
+    # traffic keeps them at; their drift alone measured up to 33 MB in one CI run of 2.8 GB.
+    assert late["rss"] - middle["rss"] < 40 * 2**20, (early, middle, late)

@@ -4,6 +4,7 @@ from collections import Counter
 import pytest
 import torch
 
+from engine.logits_processors import adjust_logits
 from engine.request import Sequence as EngineSequence
 from engine.sampler import Sampler, SamplingRow
 from engine.sampling import SamplingParams
@@ -187,7 +188,7 @@ def test_penalties_change_logits_by_exact_amounts():
             output=[0], repetition_penalty=0.5, frequency_penalty=-1.0, logit_bias={6: 1.5, 5: -2.0}
         ),
     ]
-    adjusted = Sampler().adjust_logits(logits, rows)
+    adjusted = adjust_logits(logits, rows, ())
     expected = torch.tensor(
         [
             [2.0, -6.0, 2.0, 1.0, 0.5, -1.0, 0.0],
@@ -209,7 +210,7 @@ def test_a_repetition_penalty_near_zero_keeps_the_draw_finite(temperature):
         for s in range(8)
     ]
     sampler = Sampler()
-    adjusted = sampler.adjust_logits(logits, rows)
+    adjusted = adjust_logits(logits, rows, sampler.eos_token_ids)
     assert bool(adjusted.isfinite().all())
     assert adjusted[0, :3].tolist() == [2.0, pytest.approx(3.4e33, rel=0.01), -0.0]
     assert sampler.sample(logits, rows).token_ids == [1] * 8
@@ -217,14 +218,14 @@ def test_a_repetition_penalty_near_zero_keeps_the_draw_finite(temperature):
 
 def test_untouched_logits_are_returned_as_is():
     logits = torch.randn(2, 10)
-    assert Sampler(eos_token_ids=[EOS]).adjust_logits(logits, [row(), row(min_tokens=0)]) is logits
+    assert adjust_logits(logits, [row(), row(min_tokens=0)], [EOS]) is logits
 
 
 def test_logit_bias_steers_greedy_choice_and_ignores_unknown_ids():
     logits = torch.tensor([[5.0, 1.0, 0.0, 0.0]])
     out = Sampler().sample(logits, [row(temperature=0.0, logit_bias={2: 6.0, 99: 100.0})])
     assert out.token_ids == [2]
-    assert Sampler().adjust_logits(logits, [row(logit_bias={2: 6.0, 99: 100.0})])[0, 2] == 6.0
+    assert adjust_logits(logits, [row(logit_bias={2: 6.0, 99: 100.0})], ())[0, 2] == 6.0
 
 
 def test_min_tokens_suppresses_eos_and_stop_ids_until_reached():
@@ -236,7 +237,7 @@ def test_min_tokens_suppresses_eos_and_stop_ids_until_reached():
     # ignore_eos: EOS is an ordinary token, only the stop ids are held back
     ignoring = dict(params, ignore_eos=True)
     assert sampler.sample(logits, [row(step=0, **ignoring)]).token_ids == [1]
-    adjusted = sampler.adjust_logits(logits, [row(step=0, **params)])
+    adjusted = adjust_logits(logits, [row(step=0, **params)], sampler.eos_token_ids)
     assert adjusted[0].tolist() == [0.0, -math.inf, -math.inf, 7.0, 1.0]
 
 

@@ -1,4 +1,4 @@
-"""The scale-out eval's fast mode (`python -m evals.scaleout --fast`): 1 and 2 replicas on Ray
+"""The scale-out eval's fast mode (`python -m evals.scaleout --fast`): 2 replicas on Ray
 Serve, the affinity router against Ray's default on a multi-turn chat, fairness across 2
 replicas. Only what holds on any machine is asserted: every request was answered, affinity
 routing kept each conversation's history in one replica's cache at least as well as the
@@ -7,6 +7,7 @@ default router, and the service gap between backlogged tenants stayed within the
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -20,6 +21,7 @@ def test_scaleout_fast(tmp_path) -> None:
     args = parse_args(["--fast", "--out", str(out)])
     summary = run(args)
 
+    assert list(summary["throughput"]) == [f"2 replicas, {(os.cpu_count() or 1) / 2:g} CPU each"]
     for rows in summary["throughput"].values():
         assert [rows[n]["requests"] for n in args.users] == [
             n * args.requests_per_user for n in args.users

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine.request import FinishReason, SequenceStatus
-from engine.sched import AdmissionStatus
-from engine.sched.admission import CompletionRate
+from engine.sched import AdmissionStatus, StepResult
+from engine.sched.admission import CompletionRate, kv_tokens_needed
 from tests.sched_driver import FakeClock, make_kv, make_scheduler, make_seq, plan, run_step
 
 
@@ -75,7 +75,7 @@ def test_num_computed_tokens_advances_in_update_not_in_schedule():
     assert a.num_computed_tokens == 0
     block = kv.tables.layout(a)["full"][0][0]
     assert kv.tables.slots_for_new_tokens(a, 4)["full"] == [block * 4 + i for i in range(4)]
-    sched.update(out)
+    sched.update(out, StepResult())
     assert a.num_computed_tokens == 4 and a.num_output_tokens == 0
 
 
@@ -225,9 +225,9 @@ def test_abort_between_schedule_and_update_is_skipped_by_update():
     sched.add(b)
     out = sched.schedule()
     sched.abort(b.seq_id)
-    a.output_token_ids.append(7)
-    sched.update(out)
+    sched.update(out, StepResult(sampled={a.seq_id: 7, b.seq_id: 8}))
     assert a.num_computed_tokens == 4 and b.num_computed_tokens == 0
+    assert a.output_token_ids == [7] and b.output_token_ids == []
     assert kv.tables.num_held(b, "full") == 0 and kv.tables.num_held(a, "full") == 1
 
 
@@ -302,7 +302,7 @@ def test_a_request_that_can_never_fit_the_kv_cache_is_refused():
     assert sched.add(make_seq(29, max_tokens=4)).accepted  # exactly 32
     # Under an eviction budget it holds at most max_kv_tokens + one step's chunk.
     evicting = make_seq(20, max_tokens=100, eviction_policy="sink", max_kv_tokens=8)
-    assert sched.kv_tokens_needed(evicting) == 24
+    assert kv_tokens_needed(evicting, sched.config) == 24
     assert sched.add(evicting).accepted
     assert sched.stats().rejected == {"too_large": 1}
 

@@ -1,7 +1,6 @@
-"""The KV memory manager: the one object the scheduler asks for KV. Behind it, in parts:
-block tables with copy-on-write and the sliding window (block_tables), prefix sharing
-(prefix_sharing over prefix_cache), what sessions keep between turns (session_kv over
-session_pins) and per-session eviction (session_eviction over eviction's policies).
+"""The KV memory manager, the one object the scheduler asks for KV, over its parts: block
+tables with copy-on-write and the sliding window, prefix sharing, what sessions keep between
+turns (session_kv, session_pins) and per-session eviction (session_eviction).
 
 Lifecycle of a sequence, as the scheduler drives it:
 
@@ -12,8 +11,7 @@ Lifecycle of a sequence, as the scheduler drives it:
     ... forward; the scheduler advances seq.num_computed_tokens
     kv.record_attention(seq, keyed_mass)   # only for sequences with kv.wants_attention(seq)
     kv.commit(seq)                         # after each step that advanced seq
-    kv.free(seq)                           # finished, aborted or preempted
-    kv.free(seq, pin_at=now)               # finished turn of a session: keep its KV pinned
+    kv.free(seq[, pin_at=now])             # finished, aborted, preempted; pinned: a session's
 
 Session pins yield to memory pressure here, not in the scheduler: allocate() releases the
 least recently used pins when the blocks asked for do not fit otherwise, and the capacity
@@ -39,16 +37,12 @@ from engine.request import Sequence
 class KVCacheManager:
     """Block tables of all sequences over one refcounted pool per cache group.
 
-    groups: the model's cache groups; "full" is the primary group if present (every
-        prefix-cache node has a block of it), else the first.
-    num_blocks: blocks per group, one count for every group, or a page pool all groups share
-        (the runner allocates the same).
+    groups: the model's cache groups; "full" is the primary group if present, else the first.
+    num_blocks: blocks per group, one count for every group, or a page pool all groups share.
     block_size: tokens per block.
-    enable_prefix_caching: share and reuse full blocks across sequences (radix tree +
-        exact-match index); when off, blocks are freed as soon as nobody holds them.
+    enable_prefix_caching: share full blocks across sequences (radix tree + exact index).
     sink_tokens, h2o_recent_fraction: parameters of the `sink` and `h2o` eviction policies.
-    pin_quota_blocks: the most primary-group blocks one tenant's session pins may hold; None:
-        no quota (pins still yield to memory pressure).
+    pin_quota_blocks: the most primary-group blocks one tenant's session pins may hold.
     """
 
     def __init__(
@@ -118,18 +112,25 @@ class KVCacheManager:
         need be). Does not change anything."""
         return self._fits(self.tables.plan(seq, num_new_tokens), releasing_pins=True)
 
+    def largest_fit(self, seq: Sequence, wanted: int) -> int:
+        """The most tokens, up to `wanted`, allocate() could give seq now (0 if none)."""
+        if self.can_allocate(seq, wanted):
+            return wanted
+        low, high = 0, wanted - 1  # the answer lies in [low, high]; blocks grow with tokens
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.can_allocate(seq, mid) else (low, mid - 1)
+        return low
+
     # ------------------------------------------------------------------ lifecycle
 
     def match_prefix(self, seq: Sequence) -> int:
-        """First scheduling of a waiting sequence (new, or preempted and to be recomputed):
-        start it from its session's kept evicted state if it continues one
-        (engine.kv.session_kv), else from the longest cached prefix of its tokens
-        (PrefixSharing.match); returns the tokens whose K/V it now holds, and sets
-        seq.num_computed_tokens to them and seq.num_cached_prompt_tokens to their prompt
-        part. Blocks still held from an earlier, failed attempt are released first. With
-        prefix caching off, or for a sequence that wants prompt logprobs (it needs every
-        prompt position's logits), it returns 0."""
-        if seq.seq_id in self.tables.seqs:
+        """First scheduling of a waiting sequence (new, or preempted): start it from its
+        session's kept evicted state if it continues one (session_kv), else from the longest
+        cached prefix of its tokens; returns the tokens whose K/V it now holds, as it sets
+        seq.num_computed_tokens (and seq.num_cached_prompt_tokens, their prompt part). 0 with
+        prefix caching off, or where prompt logprobs need every prompt position's logits."""
+        if seq.seq_id in self.tables.seqs:  # held since an earlier, failed admission
             self.free(seq)
         state = self.tables.empty_state()
         cached = 0
@@ -161,10 +162,9 @@ class KVCacheManager:
         return True
 
     def commit(self, seq: Sequence) -> None:
-        """After a step advanced seq.num_computed_tokens: publish newly full blocks to the
-        prefix cache (and the prompt to the exact-match index once it is computed), free
-        sliding-group blocks wholly out of the window, and apply seq's eviction policy if it
-        holds more than seq.max_kv_tokens of KV."""
+        """After a step advanced seq.num_computed_tokens: publish newly full blocks (and a
+        computed prompt to the exact-match index), free sliding-group blocks wholly out of the
+        window, and apply seq's eviction policy past seq.max_kv_tokens of KV."""
         state = self.tables.seqs.get(seq.seq_id)
         if state is None:
             return
@@ -207,8 +207,7 @@ class KVCacheManager:
         )
 
     def take_block_copies(self) -> list[BlockCopy]:
-        """Copy-on-write copies queued by allocate() since the last call, in order; the
-        runner applies them before the forward."""
+        """Copy-on-write copies queued by allocate() since the last call, in order."""
         return self.tables.take_block_copies()
 
     def take_page_assignments(self) -> list[Block]:
@@ -224,16 +223,13 @@ class KVCacheManager:
         if (state := self.tables.seqs.get(seq.seq_id)) is not None:
             self.eviction.record(state, keyed)
 
-    # ------------------------------------------------------------------ checks and stats
-
     def check_integrity(self) -> None:
         """Raise KVIntegrityError if the bookkeeping contradicts itself (engine.kv.integrity)."""
         pinned = [block for pin in self.pins.all_pins() for block in pin.blocks]
         check_all(self.pools, self.cache, self.tables.seqs.values(), pinned)
 
     def stats(self) -> dict:
-        """A JSON-able snapshot: capacity, per-group block states, session pins and kept
-        evicted caches, prefix-cache hits, copy-on-write copies and evicted blocks."""
+        """A JSON-able snapshot: capacity, block states, pins, cache hits, copies, evictions."""
         pages = self.pools[self.primary].page_pool
         shared = sum(p.page_pool is pages for p in self.pools.values()) > 1
         return {

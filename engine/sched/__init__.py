@@ -2,7 +2,7 @@
 
 from engine.sched.admission import AddResult, AdmissionStatus
 from engine.sched.config import SchedulerConfig
-from engine.sched.output import ScheduledSeq, SchedulerOutput
+from engine.sched.output import ScheduledSeq, SchedulerOutput, StepResult
 from engine.sched.policy import SCHEDULING_POLICIES, Policy, TokenCost, make_policy
 from engine.sched.scheduler import Scheduler
 from engine.sched.stats import SchedulerStats, TenantStats
@@ -17,6 +17,7 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "StepResult",
     "TenantStats",
     "TokenCost",
     "make_policy",

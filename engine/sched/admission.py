@@ -97,17 +97,27 @@ class CompletionRate:
             self._times.popleft()
 
 
+def kv_tokens_needed(seq: Sequence, config: SchedulerConfig) -> int:
+    """The most KV seq can hold at once: prompt + max_tokens - 1 (the last sampled token is
+    never computed), or, under a per-session eviction budget, that budget plus one step's
+    chunk (eviction trims after each step)."""
+    need = seq.num_prompt_tokens + max(seq.sampling.max_tokens - 1, 0)
+    if seq.eviction_policy != "none" and seq.max_kv_tokens is not None:
+        need = min(need, seq.max_kv_tokens + config.max_num_batched_tokens)
+    return need
+
+
 def refusal(
     seq: Sequence,
-    need: int,
     capacity: int,
     inflight: InflightCounts,
     num_waiting: int,
     config: SchedulerConfig,
 ) -> tuple[AdmissionStatus, str] | None:
-    """Why `seq` is refused, or None when it is accepted: it needs `need` tokens of KV where
-    one sequence can hold at most `capacity` (TOO_LARGE); its tenant or session is at its
+    """Why `seq` is refused, or None when it is accepted: it needs more KV (kv_tokens_needed)
+    than one sequence can hold, `capacity` tokens (TOO_LARGE); its tenant or session is at its
     in-flight limit (LIMITED); or `num_waiting` requests already fill the queue (OVERLOADED)."""
+    need = kv_tokens_needed(seq, config)
     if need > capacity:
         return (
             AdmissionStatus.TOO_LARGE,
@@ -137,3 +147,33 @@ def refusal(
             f"the server is overloaded: {num_waiting} requests are waiting (the limit)",
         )
     return None
+
+
+class Admission:
+    """The scheduler's door: refuses what cannot or may not run now (refusal), counts what is
+    in flight, and hints when a refused request may retry (the completion rate)."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.inflight = InflightCounts()
+        self.completions = CompletionRate(window_s=config.retry_window_s)
+        self.rejected: Counter[str] = Counter()  # AdmissionStatus value -> refusals
+
+    def offer(self, seq: Sequence, capacity: int, num_waiting: int, now: float) -> AddResult:
+        """Accept seq (counting it in flight) or say why not, with a Retry-After hint where
+        retrying can help."""
+        refused = refusal(seq, capacity, self.inflight, num_waiting, self.config)
+        if refused is None:
+            self.inflight.add(seq)
+            return AddResult(AdmissionStatus.ACCEPTED)
+        status, message = refused
+        self.rejected[status.value] += 1
+        if status is AdmissionStatus.TOO_LARGE:
+            return AddResult(status, message)  # retrying cannot help
+        return AddResult(status, message, self.completions.retry_after_s(now))
+
+    def retired(self, seq: Sequence, now: float) -> bool:
+        """seq left the scheduler; True when its tenant has nothing left in flight."""
+        self.inflight.remove(seq)
+        self.completions.record(now)
+        return seq.tenant not in self.inflight.by_tenant

@@ -1,16 +1,19 @@
 """What one `Scheduler.schedule()` call decides: a plain record of the step, with everything
 the model runner needs (each chunk's KV slots and held blocks, the block copies and page
-mappings to apply first), handed back to `Scheduler.update()` after the step."""
+mappings to apply first), handed back to `Scheduler.update()` after the step with what the
+step produced (`StepResult`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
 from engine.kv.block_pool import Block
 from engine.kv.block_tables import BlockCopy, ChunkKV
 from engine.kv.manager import KVCacheManager
-from engine.request import Sequence
+from engine.kv.session_eviction import KeyMass
+from engine.request import FinishReason, Sequence, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,18 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Nothing to compute this step (there may still be finished ids to clean up)."""
         return not self.scheduled
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a step produced, for `Scheduler.update()`: the one place sequences change."""
+
+    sampled: Mapping[int, int] = field(default_factory=dict)  # seq id -> its new token
+    finished: Mapping[int, FinishReason] = field(default_factory=dict)  # seq id -> why
+    # Per scheduled sequence, in the plan's order (engine.runner.RunnerOutput): the prompt
+    # tokens it scored, and the attention mass its keys got where its chunk asked for it.
+    prompt_logprobs: SequenceOf[list[TokenLogprob]] | None = None
+    attention: SequenceOf[KeyMass] | None = None
 
 
 def plan_of(kv: KVCacheManager, chunks: Iterable[tuple[Sequence, int]]) -> SchedulerOutput:

@@ -6,14 +6,13 @@ How the engine drives it, once per step:
     result = sched.add(seq)                  # any time; refused requests get a reason
     out = sched.schedule()                   # what to compute this step
     ... run out (each scheduled chunk carries its positions start .. start+n-1 and its KV
-        slots and blocks), sample a token for every item with `samples`, append it to
-        seq.output_token_ids, decide stops
-    sched.update(out, finished={seq_id: reason, ...}, attention)  # advance, commit, retire
+        slots and blocks), sample a token for every item with `samples`, decide stops
+    sched.update(out, StepResult(sampled, finished, ...))  # append, advance, commit, retire
     sched.abort(seq_id)                      # any time between steps: the client went away
 
-The split: the scheduler advances seq.num_computed_tokens (in update()), commits and frees
-KV blocks, and charges the fairness counters (in schedule(), when the tokens are scheduled);
-the engine appends sampled tokens and says which sequences finished.
+The split: the engine computes and decides; the scheduler changes state. update() appends
+the sampled tokens, advances seq.num_computed_tokens, commits KV blocks and retires finished
+sequences; schedule() charges the fairness counters when the tokens are scheduled.
 
 Every public method takes one lock, so stats() may be read (and add() or abort() called)
 from another thread while the engine loop runs.
@@ -23,25 +22,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
-from collections.abc import Sequence as SequenceOf
 from contextlib import AbstractContextManager
 
 from engine.kv.manager import KVCacheManager
-from engine.kv.session_eviction import KeyMass
 from engine.request import FinishReason, Sequence, SequenceStatus
-from engine.sched.admission import (
-    AddResult,
-    AdmissionStatus,
-    CompletionRate,
-    InflightCounts,
-    refusal,
-)
+from engine.sched.admission import AddResult, Admission
 from engine.sched.config import MAX_AUTO_BATCH, SchedulerConfig
-from engine.sched.output import ScheduledSeq, SchedulerOutput
+from engine.sched.output import ScheduledSeq, SchedulerOutput, StepResult
 from engine.sched.policy import make_policy
-from engine.sched.stats import SchedulerStats, TenantLedger, TenantStats
+from engine.sched.stats import SchedulerStats, ServiceCharges, TenantLedger, tenant_stats
 from engine.sched.tenants import IdleTenants
 
 
@@ -51,7 +41,8 @@ def _prefilling(seq: Sequence) -> bool:
 
 
 def _urgency(seq: Sequence) -> tuple[int, float, int]:
-    """Sort key, most urgent first: lower priority value, then earlier arrival."""
+    """Sort key, most urgent first: lower priority value, then earlier arrival, then the
+    smaller seq id."""
     return (seq.priority, seq.arrival_time, seq.seq_id)
 
 
@@ -59,36 +50,25 @@ class Scheduler:
     """Decides, step by step, which tokens of which sequences the model computes.
 
     Each schedule():
-      1. Every running decode gets its 1 token, most urgent first (lower priority value,
-         then earlier arrival).
-      2. The rest of the step's token budget (max_num_batched_tokens) goes out as prefill
-         chunks, one sequence at a time, each getting as much as is left. The candidates are
-         the running sequences still prefilling and, while fewer than max_num_seqs run, the
-         policy's pick from the waiting queue (admitted with its first chunk). The policy's
-         prefill rank chooses among them (vtc: the smallest finish tag, the tenant's
-         counter plus the rest of the prompt, counters charged as chunks are given out; fcfs
-         and priority rank all alike), then running sequences before admissions, most
-         urgent first. When the policy's pick does not fit the KV cache, admission stops
-         for this step, so a large request is not starved by smaller ones.
+      1. Every running decode gets its 1 token, most urgent first (_urgency).
+      2. The rest of the token budget (max_num_batched_tokens) goes out as prefill chunks,
+         one sequence at a time, each getting as much as is left: to running sequences still
+         prefilling and, while fewer than max_num_seqs run, the policy's pick from the
+         waiting queue (admitted with its first chunk), in the order _next_prefill gives.
+         When the policy's pick does not fit the KV cache, admission stops for this step, so
+         a large request is not starved by smaller ones.
     A long prompt is thus prefilled over several steps and never delays anyone's next token.
-    A seeded request's last prompt token gets a step of its own (_prefill_chunk), as it does
-    when its prompt is found cached, so its first token is sampled from the same logits cold
-    and cached.
+    A seeded request's last prompt token gets a step of its own (_prefill_chunk).
 
-    Preemption rule: a running sequence's prefill chunk shrinks to the KV blocks free; when
-    not even one of its tokens fits, the least urgent running sequence not yet scheduled in
-    this step -- the largest priority value, then the latest arrival (then the larger seq
-    id) -- is preempted, possibly the sequence itself; repeat until something fits or the
-    sequence was the victim.
-    Decodes are visited before prefill chunks, so a decode never loses its blocks to a chunk.
-    A preempted sequence frees its blocks, restarts from num_computed_tokens = 0 (its
-    prompt and output are recomputed later, helped by the prefix cache), counts one more
-    num_preemptions and goes back to the front of the waiting queue. It is never dropped.
-    Waiting sequences never preempt running ones.
+    Preemption: a running sequence's prefill chunk shrinks to the KV blocks free; when not
+    even one of its tokens fits, the least urgent running sequence not yet scheduled in this
+    step is preempted, possibly the sequence itself; repeat until something fits or the
+    sequence was the victim. Decodes come before prefill chunks, so a decode never loses its
+    blocks to a chunk. A preempted sequence frees its blocks, restarts from
+    num_computed_tokens = 0 (recomputed later, helped by the prefix cache) and goes back to
+    the front of the waiting queue; it is never dropped. Waiting sequences never preempt.
 
-    Fairness accounting: a sequence's tenant is charged w_p for each prompt token computed
-    for the first time (prefix-cache hits and recomputation after preemption are free) and
-    w_q for each token sampled, when the step is scheduled.
+    Fairness: tenants are charged as chunks are scheduled (engine.sched.stats.ServiceCharges).
     """
 
     def __init__(
@@ -106,17 +86,15 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # queue order; preempted sequences re-enter at the front
         self.running: list[Sequence] = []
         self._seqs: dict[int, Sequence] = {}  # accepted and not retired, by seq id
-        self._charged_upto: dict[int, int] = {}  # seq id -> positions already charged
         self._finished_ids: list[int] = []  # retired since the last schedule()
-        self._inflight = InflightCounts()
-        self._completions = CompletionRate(window_s=config.retry_window_s)
+        self.admission = Admission(config)
         self.ledger = TenantLedger(config.token_cost)
+        self._charges = ServiceCharges(self.policy, self.ledger)
         self._idle_tenants = IdleTenants(config.tenant_idle_s, config.max_idle_tenants)
         self.num_retired_tenants = 0
         self.num_preemptions = 0
         self.num_finished = 0
         self.num_aborted = 0
-        self.rejected: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ capacity
 
@@ -125,15 +103,6 @@ class Scheduler:
         """Tokens of context the KV cache holds (the primary group's blocks times the block
         size; sliding-window groups only ever hold a window per sequence)."""
         return self.kv.max_blocks_per_sequence * self.kv.block_size
-
-    def kv_tokens_needed(self, seq: Sequence) -> int:
-        """The most KV seq can hold at once: prompt + max_tokens - 1 (the last sampled
-        token is never computed), or, under a per-session eviction budget, that budget
-        plus one step's chunk (eviction trims after each step)."""
-        need = seq.num_prompt_tokens + max(seq.sampling.max_tokens - 1, 0)
-        if seq.eviction_policy != "none" and seq.max_kv_tokens is not None:
-            need = min(need, seq.max_kv_tokens + self.config.max_num_batched_tokens)
-        return need
 
     # ------------------------------------------------------------------ requests
 
@@ -151,14 +120,13 @@ class Scheduler:
                 raise ValueError(f"sequence {seq.seq_id} was already added")
             if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens != 0:
                 raise ValueError(f"sequence {seq.seq_id} is not a fresh waiting sequence")
-            result = self._admission_check(seq)
+            capacity, now = self.kv_capacity_tokens, self._clock()
+            result = self.admission.offer(seq, capacity, len(self.waiting), now)
             if not result.accepted:
-                self.rejected[result.status.value] += 1
                 return result
             self.policy.on_arrival(seq, self._prefill_queue())
             self.waiting.append(seq)
             self._seqs[seq.seq_id] = seq
-            self._inflight.add(seq)
             self._idle_tenants.busy(seq.tenant)
             return result
 
@@ -253,27 +221,25 @@ class Scheduler:
         with self._lock:
             return self.kv.end_session(tenant, session)
 
-    def update(
-        self,
-        output: SchedulerOutput,
-        finished: Mapping[int, FinishReason] | None = None,
-        attention: SequenceOf[KeyMass] | None = None,
-    ) -> None:
-        """After the engine ran `output` and appended the sampled tokens: give the KV manager
-        the attention mass of the chunks that asked for it (`attention`, per scheduled
-        sequence, as the runner reports it), advance every scheduled sequence's
-        num_computed_tokens, commit its KV blocks, then retire the sequences in `finished`
-        (seq id -> reason). Sequences aborted meanwhile are skipped."""
+    def update(self, output: SchedulerOutput, result: StepResult) -> None:
+        """After the engine ran `output`: per scheduled sequence, record its prompt logprobs and
+        (where its chunk asked) its keys' attention mass, append its sampled token, advance
+        num_computed_tokens and commit its KV blocks; then retire `result.finished`. Sequences
+        aborted meanwhile are skipped."""
         with self._lock:
             for row, item in enumerate(output.scheduled):
                 seq = item.seq
                 if self._seqs.get(seq.seq_id) is not seq:
                     continue  # aborted after schedule()
-                if attention is not None and item.kv.wants_attention:
-                    self.kv.record_attention(seq, attention[row])
+                if result.prompt_logprobs is not None:
+                    seq.prompt_logprobs.extend(result.prompt_logprobs[row])
+                if result.attention is not None and item.kv.wants_attention:
+                    self.kv.record_attention(seq, result.attention[row])
+                if (token := result.sampled.get(seq.seq_id)) is not None:
+                    seq.output_token_ids.append(token)
                 seq.num_computed_tokens = item.start + item.num_new_tokens
                 self.kv.commit(seq)
-            for seq_id, reason in (finished or {}).items():
+            for seq_id, reason in result.finished.items():
                 self.finish(seq_id, reason)
 
     # ------------------------------------------------------------------ statistics
@@ -281,23 +247,6 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         """A snapshot: queue lengths, preemptions, refusals, per-tenant service and counters."""
         with self._lock:
-            counters = self.policy.counters()
-            running = Counter(s.tenant for s in self.running)
-            waiting = Counter(s.tenant for s in self.waiting)
-            prefilling = Counter(s.tenant for s in self.running if _prefilling(s))
-            tenants: dict[str, TenantStats] = {}
-            names = set(self.ledger.tenants) | set(counters) | set(running) | set(waiting)
-            for name in sorted(names):
-                usage = self.ledger.tenants.get(name)
-                tenants[name] = TenantStats(
-                    running=running[name],
-                    waiting=waiting[name],
-                    prefilling=prefilling[name],
-                    prompt_tokens=usage.prompt_tokens if usage else 0,
-                    output_tokens=usage.output_tokens if usage else 0,
-                    service=usage.service if usage else 0.0,
-                    counter=counters.get(name) if counters else None,
-                )
             return SchedulerStats(
                 policy=self.policy.name,
                 num_running=len(self.running),
@@ -305,24 +254,16 @@ class Scheduler:
                 num_preemptions=self.num_preemptions,
                 num_finished=self.num_finished,
                 num_aborted=self.num_aborted,
-                rejected=dict(self.rejected),
+                rejected=dict(self.admission.rejected),
                 kv_usage=self.kv.usage,
-                completions_per_s=self._completions.per_second(self._clock()),
+                completions_per_s=self.admission.completions.per_second(self._clock()),
                 retired_tenants=self.num_retired_tenants,
-                tenants=tenants,
+                tenants=tenant_stats(
+                    self.ledger, self.policy.counters(), self.running, self.waiting, _prefilling
+                ),
             )
 
     # ------------------------------------------------------------------ internals
-
-    def _admission_check(self, seq: Sequence) -> AddResult:
-        need, capacity = self.kv_tokens_needed(seq), self.kv_capacity_tokens
-        refused = refusal(seq, need, capacity, self._inflight, len(self.waiting), self.config)
-        if refused is None:
-            return AddResult(AdmissionStatus.ACCEPTED)
-        status, message = refused
-        if status is AdmissionStatus.TOO_LARGE:
-            return AddResult(status, message)  # retrying cannot help
-        return AddResult(status, message, self._completions.retry_after_s(self._clock()))
 
     @staticmethod
     def _remaining(seq: Sequence) -> int:
@@ -330,8 +271,8 @@ class Scheduler:
         remaining = seq.num_tokens - seq.num_computed_tokens
         if remaining < 1:
             raise RuntimeError(
-                f"sequence {seq.seq_id} has nothing to compute: the engine must append the "
-                "sampled token before update()"
+                f"sequence {seq.seq_id} has nothing to compute: its sampled token was not "
+                "given to update()"
             )
         return remaining
 
@@ -389,7 +330,7 @@ class Scheduler:
         while True:
             # Counts blocks held only by session pins as free: the KV manager releases them
             # before a chunk shrinks or anyone is preempted.
-            num_new = self._largest_fit(seq, wanted)
+            num_new = self.kv.largest_fit(seq, wanted)
             if num_new and self.kv.allocate(seq, num_new):
                 return num_new
             victim = max(pending.values(), key=_urgency)
@@ -397,19 +338,6 @@ class Scheduler:
             self._preempt(victim, out)
             if victim is seq:
                 return 0
-
-    def _largest_fit(self, seq: Sequence, wanted: int) -> int:
-        """The most tokens, up to `wanted`, the KV manager can give seq now (0 if none)."""
-        if self.kv.can_allocate(seq, wanted):
-            return wanted
-        low, high = 0, wanted - 1  # the answer lies in [low, high]; blocks grow with tokens
-        while low < high:
-            mid = (low + high + 1) // 2
-            if self.kv.can_allocate(seq, mid):
-                low = mid
-            else:
-                high = mid - 1
-        return low
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.kv.free(seq)
@@ -446,17 +374,10 @@ class Scheduler:
     def _add_to_step(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
         """Record seq's chunk in the step and charge its tenant for the new service."""
         start = seq.num_computed_tokens
-        end = start + num_new
         # A sequence with max_tokens 0 computes its prompt and samples nothing (the engine
         # finishes it after this step).
-        samples = end == seq.num_tokens and seq.sampling.max_tokens > 0
-        charged = self._charged_upto.get(seq.seq_id, 0)
-        new_prompt = max(0, min(end, seq.num_prompt_tokens) - max(start, charged))
-        self._charged_upto[seq.seq_id] = max(charged, end)
-        new_output = 1 if samples else 0
-        if new_prompt or new_output:
-            self.policy.charge(seq.tenant, new_prompt, new_output)
-            self.ledger.charge(seq.tenant, new_prompt, new_output)
+        samples = start + num_new == seq.num_tokens and seq.sampling.max_tokens > 0
+        self._charges.charge(seq, start, start + num_new, samples)
         out.scheduled.append(
             ScheduledSeq(seq, start, num_new, samples, self.kv.address(seq, num_new))
         )
@@ -471,12 +392,10 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._seqs[seq.seq_id]
-        self._charged_upto.pop(seq.seq_id, None)
-        self._inflight.remove(seq)
-        if seq.tenant not in self._inflight.by_tenant:
+        self._charges.forget(seq.seq_id)
+        if self.admission.retired(seq, self._clock()):
             self._idle_tenants.idle(seq.tenant, self._clock())
         self._finished_ids.append(seq.seq_id)
-        self._completions.record(self._clock())
         if reason is FinishReason.ABORT:
             self.num_aborted += 1
         else:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
-from engine.sched.policy import TokenCost
+from engine.request import Sequence as EngineSequence
+from engine.sched.policy import Policy, TokenCost
 
 
 @dataclass
@@ -41,6 +43,31 @@ class TenantLedger:
         return usage.service if usage else 0.0
 
 
+class ServiceCharges:
+    """Charges each scheduled chunk's new service to its tenant, in the policy's counters and
+    the ledger alike: w_p for each prompt token computed for the first time (prefix-cache hits
+    and recomputation after preemption are free) and w_q for the token a chunk samples."""
+
+    def __init__(self, policy: Policy, ledger: TenantLedger) -> None:
+        self.policy = policy
+        self.ledger = ledger
+        self._charged_upto: dict[int, int] = {}  # seq id -> positions already charged
+
+    def charge(self, seq: EngineSequence, start: int, end: int, samples: bool) -> None:
+        """seq's chunk computes positions [start, end) and samples a token if `samples`."""
+        charged = self._charged_upto.get(seq.seq_id, 0)
+        new_prompt = max(0, min(end, seq.num_prompt_tokens) - max(start, charged))
+        self._charged_upto[seq.seq_id] = max(charged, end)
+        new_output = 1 if samples else 0
+        if new_prompt or new_output:
+            self.policy.charge(seq.tenant, new_prompt, new_output)
+            self.ledger.charge(seq.tenant, new_prompt, new_output)
+
+    def forget(self, seq_id: int) -> None:
+        """seq retired: its charges are complete."""
+        self._charged_upto.pop(seq_id, None)
+
+
 @dataclass
 class TenantStats:
     running: int = 0
@@ -50,6 +77,33 @@ class TenantStats:
     output_tokens: int = 0
     service: float = 0.0
     counter: float | None = None  # the policy's counter (vtc), None for policies without one
+
+
+def tenant_stats(
+    ledger: TenantLedger,
+    counters: Mapping[str, float] | None,
+    running: Sequence[EngineSequence],
+    waiting: Sequence[EngineSequence],
+    prefilling: Callable[[EngineSequence], bool],
+) -> dict[str, TenantStats]:
+    """Every tenant served, counted by the policy or with requests in the queues, by name."""
+    num_running = Counter(s.tenant for s in running)
+    num_waiting = Counter(s.tenant for s in waiting)
+    num_prefilling = Counter(s.tenant for s in running if prefilling(s))
+    names = set(ledger.tenants) | set(counters or {}) | set(num_running) | set(num_waiting)
+    tenants: dict[str, TenantStats] = {}
+    for name in sorted(names):
+        usage = ledger.tenants.get(name)
+        tenants[name] = TenantStats(
+            running=num_running[name],
+            waiting=num_waiting[name],
+            prefilling=num_prefilling[name],
+            prompt_tokens=usage.prompt_tokens if usage else 0,
+            output_tokens=usage.output_tokens if usage else 0,
+            service=usage.service if usage else 0.0,
+            counter=counters.get(name) if counters else None,
+        )
+    return tenants
 
 
 @dataclass
