@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.backends.custom import CustomBackend
-from engine.model import cpu_ops
+from engine.model import cpu_ops, linear_kernels
 from engine.model.cpu_features import has_amx, has_bf16, int8_weight_max
 from engine.model.int8_kernels import DynamicInt8Linear, OneDNNInt8Linear
 from engine.model.kernel_select import (
@@ -192,7 +192,8 @@ def test_fbgemm_int8_equals_its_integers() -> None:
     torch.manual_seed(3)
     weight, x = torch.randn(96, 64), torch.randn(7, 64)
     linear = DynamicInt8Linear(weight)
-    packed_weight, _ = torch.ops.quantized.linear_unpack(linear.packed)
+    (slice_,) = linear.slices  # a small weight is prepacked whole
+    packed_weight, _ = torch.ops.quantized.linear_unpack(slice_)
     w_q = packed_weight.int_repr().double()
     assert w_q.abs().max() == int8_weight_max()
     w_scale = packed_weight.q_per_channel_scales().double()
@@ -201,6 +202,21 @@ def test_fbgemm_int8_equals_its_integers() -> None:
     x_q = x_q.int_repr().double() - 128
     by_hand = (x_q @ w_q.T) * (1 / 127) * w_scale * row_max.double()
     torch.testing.assert_close(linear(x).double(), by_hand, rtol=1e-5, atol=1e-4)
+
+
+def test_fbgemm_int8_in_slices_equals_it_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight past the slice size (the LM head) is prepacked in slices of output columns;
+    every output is the same dot product, so the result is bit for bit the whole weight's, at
+    row counts past those cpu_ops' kernel serves, the last slice short."""
+    torch.manual_seed(4)
+    weight = torch.randn(200, 64)
+    whole = DynamicInt8Linear(weight)
+    monkeypatch.setattr(linear_kernels, "OUTPUT_SLICE", 64)
+    sliced = DynamicInt8Linear(weight)
+    assert len(whole.slices) == 1 and len(sliced.slices) == 4  # 64 + 64 + 64 + 8 outputs
+    for rows in (5, 16, 33):
+        x = torch.randn(rows, 64)
+        assert torch.equal(sliced(x), whole(x))
 
 
 @pytest.mark.parametrize("linear_class", [DynamicInt8Linear, OneDNNInt8Linear])

@@ -100,19 +100,21 @@ class DynamicInt8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         integers, scales = quantize_int8_weight(weight)
-        zero_points = torch.zeros(self.out_features, dtype=torch.long)
-        with warnings.catch_warnings():
-            # PyTorch warns that quantized tensor types are deprecated; fbgemm's prepacked linear
-            # still takes one, and measures 2-10x faster than float32 here (see the module doc).
-            warnings.simplefilter("ignore", UserWarning)
-            quantized = torch._make_per_channel_quantized_tensor(
-                integers, scales.double(), zero_points, 0
+        # A large matrix (the LM head) in slices of output columns, as OneDNNInt8Linear: fbgemm
+        # reads the whole weight again for every few rows, from memory when it is larger than
+        # the cache (168 MB), from the cache when it is a slice; each slice's output is
+        # rescaled while cached, into the caller's buffer. The outputs are the same bit for bit
+        # (`python -m evals.bench_kernels --rows 16 32 64` times the head as served).
+        self.slices = [
+            _fbgemm_prepack(part, part_scales)
+            for part, part_scales in zip(
+                output_slices(integers), output_slices(scales), strict=True
             )
-        self.packed = torch.ops.quantized.linear_prepack(quantized, None)
+        ]
         self.packed_rows = PackedInt8Rows.where_supported(integers, scales)
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W.T; the rows cpu_ops' kernel serves are written into `out` where it fits."""
+        """x @ W.T, written into `out` where it fits (slice_output)."""
         shape = (*x.shape[:-1], self.out_features)
         if (packed := _packed_for(self.packed_rows, x.numel() // self.in_features)) is not None:
             result = packed.run(x.reshape(-1, self.in_features).float(), out)
@@ -121,11 +123,22 @@ class DynamicInt8Linear(nn.Module):
         dtype, rows = x.dtype, x.reshape(-1, self.in_features).float()  # fbgemm is float32
         # abs().amax(): the same values as vector_norm(inf), which measured 6x slower at 16 rows.
         row_max = rows.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
+        scaled = rows / row_max
         # Full 8-bit activations: 7 bits cost 10% perplexity here.
-        result = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            rows / row_max, self.INPUT_SCALE, self.INPUT_ZERO_POINT, self.packed
-        )
-        return result.mul_(row_max).view(shape).to(dtype)
+        if len(self.slices) == 1:
+            result = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+                scaled, self.INPUT_SCALE, self.INPUT_ZERO_POINT, self.slices[0]
+            )
+            return result.mul_(row_max).view(shape).to(dtype)
+        result = slice_output(out, rows.shape[0], self.out_features, torch.float32)
+        start = 0
+        for weight_slice in self.slices:
+            part = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+                scaled, self.INPUT_SCALE, self.INPUT_ZERO_POINT, weight_slice
+            )
+            scatter_columns(part, row_max, result, start)
+            start += part.shape[1]
+        return result.view(shape).to(dtype)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
         """As OneDNNInt8Linear.argmax."""
@@ -196,6 +209,19 @@ class OneDNNInt8Linear(nn.Module):
             scatter_columns(part, row_max, out, start)
             start += part.shape[1]
         return out.view(*x.shape[:-1], self.out_features).to(dtype)
+
+
+def _fbgemm_prepack(integers: torch.Tensor, scales: torch.Tensor) -> torch.ScriptObject:
+    """fbgemm's prepacked form of per-channel int8 weights."""
+    zero_points = torch.zeros(integers.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():
+        # PyTorch warns that quantized tensor types are deprecated; fbgemm's prepacked linear
+        # still takes one, and measures 2-10x faster than float32 here (see the module doc).
+        warnings.simplefilter("ignore", UserWarning)
+        quantized = torch._make_per_channel_quantized_tensor(
+            integers.contiguous(), scales.double(), zero_points, 0
+        )
+    return torch.ops.quantized.linear_prepack(quantized, None)
 
 
 def _packed_for(packed_rows: PackedInt8Rows | None, rows: int) -> PackedInt8Rows | None:
