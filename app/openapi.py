@@ -107,7 +107,14 @@ _ERROR = OpenAPIResponse(
     description="An OpenAI-shaped error: {error: {message, type, param, code}}.",
     content=_content(schema_of(ErrorResponse)),
 )
-_SSE = Schema(type=OpenAPIType.STRING, description="`data: <chunk JSON>` events, then [DONE]")
+# The schema of one server-sent event, as OpenAPI 3.1 reads a text/event-stream `schema`.
+_SSE = Schema(
+    type=OpenAPIType.OBJECT,
+    description="One event: `data` holds a chunk's JSON, or [DONE] last; Responses API events "
+    "also name their `type` in `event`.",
+    properties={"data": Schema(type=OpenAPIType.STRING), "event": Schema(type=OpenAPIType.STRING)},
+    required=["data"],
+)
 
 
 def operation(
