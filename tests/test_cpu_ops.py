@@ -202,6 +202,23 @@ def test_scatter_columns_writes_what_torch_writes(part_dtype, with_scale) -> Non
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_scale_rows_by_max_equals_the_eager_division(rows) -> None:
+    """Each row over its largest magnitude (1e-12 for an all-zero row), from strided rows (a
+    column slice of a wider tensor), as abs, amax, clamp and torch's division give it, bit for
+    bit: the int8 kernels quantize the same integers either way."""
+    generator = torch.Generator().manual_seed(7)
+    wide = torch.randn(rows, 700, generator=generator) * 5
+    wide[0] = 0.0
+    x = wide[:, 30:670]
+    scaled, row_max = cpu_ops.scale_rows_by_max(x)
+    expected_max = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    assert row_max.shape == (rows, 1)
+    assert torch.equal(row_max, expected_max)
+    assert torch.equal(scaled, x / expected_max)
+    assert float(row_max[0]) == pytest.approx(1e-12) and not scaled[0].any()
+
+
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("value_dtype", [torch.float32, torch.bfloat16])
 def test_store_kv_equals_index_copy_of_the_cast_rows(pool_dtype, value_dtype) -> None:

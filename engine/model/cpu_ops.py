@@ -271,3 +271,11 @@ def scatter_columns(
     (float32 [R, W]; `part` float32 or bfloat16 with at least R rows): one slice of a sliced
     GEMM written into its columns while still in cache, rounded as torch.mul rounds."""
     torch.ops.gemma_cpu.scatter_columns(part, row_scale, out, column)
+
+
+def scale_rows_by_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / m, m) for float32 [R, K] x, m = max(max |x[r]|, 1e-12) per row ([R, 1]): an int8
+    kernel's activations scaled into [-1, 1], the values x.abs().amax(-1, keepdim=True)
+    .clamp(min=1e-12) and the division give, in one pass over each row."""
+    scaled, row_max = torch.ops.gemma_cpu.scale_rows_by_max(x)
+    return scaled, row_max

@@ -119,11 +119,8 @@ class DynamicInt8Linear(nn.Module):
         if (packed := _packed_for(self.packed_rows, x.numel() // self.in_features)) is not None:
             result = packed.run(x.reshape(-1, self.in_features).float(), out)
             return result.view(shape).to(x.dtype)
-        # Few tensor ops on purpose: at decode sizes each costs about as much as the multiply.
         dtype, rows = x.dtype, x.reshape(-1, self.in_features).float()  # fbgemm is float32
-        # abs().amax(): the same values as vector_norm(inf), which measured 6x slower at 16 rows.
-        row_max = rows.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
-        scaled = rows / row_max
+        scaled, row_max = _scale_rows_by_max(rows)
         # Full 8-bit activations: 7 bits cost 10% perplexity here.
         if len(self.slices) == 1:
             result = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
@@ -209,6 +206,17 @@ class OneDNNInt8Linear(nn.Module):
             scatter_columns(part, row_max, out, start)
             start += part.shape[1]
         return out.view(*x.shape[:-1], self.out_features).to(dtype)
+
+
+def _scale_rows_by_max(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows / m, m), m each row's largest magnitude (at least 1e-12, [R, 1]): one pass of
+    cpu_ops where it is built, else the same values from eager ops (abs().amax(): as
+    vector_norm(inf), which measured 6x slower at 16 rows). The eager ops read the rows four
+    times; `python -m evals.bench_kernels --rows 2048` times the layers at prefill sizes."""
+    if cpu_ops.available() and rows.stride(-1) == 1:
+        return cpu_ops.scale_rows_by_max(rows)
+    row_max = rows.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
+    return rows / row_max, row_max
 
 
 def _fbgemm_prepack(integers: torch.Tensor, scales: torch.Tensor) -> torch.ScriptObject:

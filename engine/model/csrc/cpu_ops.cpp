@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "parallel.h"
@@ -907,6 +908,39 @@ void scatter_columns(const at::Tensor& part, const std::optional<at::Tensor>& ro
   });
 }
 
+// (x / m, m) with m = max(max |x[r, :]|, 1e-12) per row of a float32 [R, K] x: an int8 kernel's
+// activations scaled into [-1, 1], in one read and one write of x where the eager ops (abs,
+// amax, clamp, div) take four passes and a temporary. The same IEEE division as torch.div, so
+// the scaled values are those bit for bit (a row with a NaN gets NaNs from the division).
+std::tuple<at::Tensor, at::Tensor> scale_rows_by_max(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [R, K] with contiguous rows");
+  check_float(x, "x");
+  const int64_t rows = x.size(0), width = x.size(1), stride = x.stride(0);
+  at::Tensor scaled = at::empty({rows, width}, x.options());
+  at::Tensor row_max = at::empty({rows, 1}, x.options());
+  const float* source = x.data_ptr<float>();
+  float* out = scaled.data_ptr<float>();
+  float* maxima = row_max.data_ptr<float>();
+  parallel_chunks(rows, balanced_chunk(rows), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float* src = source + row * stride;
+      float largest = 0.f;
+#pragma omp simd reduction(max : largest)
+      for (int64_t j = 0; j < width; ++j) {
+        largest = std::max(largest, std::fabs(src[j]));
+      }
+      largest = std::max(largest, 1e-12f);
+      maxima[row] = largest;
+      float* dst = out + row * width;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) {
+        dst[j] = src[j] / largest;
+      }
+    }
+  });
+  return {scaled, row_max};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(gemma_cpu, m) {
@@ -929,6 +963,7 @@ TORCH_LIBRARY(gemma_cpu, m) {
   m.def("row_argmax(Tensor logits) -> Tensor");
   m.def(
       "scatter_columns(Tensor part, Tensor? row_scale, Tensor(a!) out, int column) -> ()");
+  m.def("scale_rows_by_max(Tensor x) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(gemma_cpu, CPU, m) {
@@ -940,4 +975,5 @@ TORCH_LIBRARY_IMPL(gemma_cpu, CPU, m) {
   m.impl("gumbel_argmax", &gumbel_argmax);
   m.impl("scatter_columns", &scatter_columns);
   m.impl("row_argmax", &row_argmax);
+  m.impl("scale_rows_by_max", &scale_rows_by_max);
 }
