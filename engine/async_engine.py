@@ -25,7 +25,7 @@ import structlog
 from transformers import PreTrainedTokenizerBase
 
 from engine import status
-from engine.host_memory import HeapTrimmer
+from engine.host_memory import HeapTrimmer, keep_step_memory
 from engine.llm_engine import LLMEngine, StepFailed
 from engine.metrics import EngineGauges, ServingMetrics
 from engine.request import FinishReason, Sequence, StepOutput
@@ -140,6 +140,7 @@ class AsyncEngine:
     def start(self) -> None:
         """Build the engine on its own thread and start the step loop; returns once the engine
         is ready, raising what building it raised."""
+        keep_step_memory()  # before the engine thread makes its heap
         ready = threading.Event()
         failure: list[BaseException] = []
 

@@ -29,6 +29,34 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 _TRIM = _malloc_trim()
 
+# mallopt's parameters (glibc's malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+# Blocks up to this size come from the heap: glibc's largest (HEAP_MAX_SIZE / 2 on 64 bits).
+_MMAP_THRESHOLD = 32 << 20
+# Free memory the heap keeps at its top between steps; HeapTrimmer returns it all when idle.
+_TRIM_THRESHOLD = 512 << 20
+
+
+def keep_step_memory() -> bool:
+    """Let freed step tensors be reused instead of given back and faulted in again: one heap
+    for every thread (the engine thread's own arena cannot hold blocks of megabytes, so each
+    was a fresh mapping), large blocks from it, and its free top kept up to _TRIM_THRESHOLD.
+    `python -m evals.bench_prefill [--default-heap]` counts a prefill step's page faults with
+    and without. Call before the engine thread starts; False where the C library is not glibc."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):
+        return False
+    settings = (
+        (_M_ARENA_MAX, 1),
+        (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD),
+        (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD),
+    )
+    return all(mallopt(parameter, value) == 1 for parameter, value in settings)
+
 
 def release_free_memory() -> bool:
     """Return the C heap's free pages to the system; False where that is not available."""

@@ -3,11 +3,13 @@ the server's large tensors sit on huge pages."""
 
 from __future__ import annotations
 
+import platform
+import sys
 from pathlib import Path
 
 import pytest
 
-from engine.host_memory import HeapTrimmer
+from engine.host_memory import HeapTrimmer, keep_step_memory
 from tests.conftest import RunningServer
 from tests.sched_driver import FakeClock
 
@@ -44,3 +46,13 @@ def test_the_server_holds_its_weights_on_huge_pages(server: RunningServer) -> No
     at least the embedded model's 368 MB of default-mode weights that decode streams (bf16
     layers, int8 LM head)."""
     assert _huge_pages_kb(server.process.pid) > 368 * 1024
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+    reason="mallopt is glibc's",
+)
+def test_glibc_accepts_the_step_memory_settings() -> None:
+    """mallopt refuses a threshold above its maximum (HEAP_MAX_SIZE / 2) by returning 0: each
+    value the engine sets must be one glibc takes."""
+    assert keep_step_memory()

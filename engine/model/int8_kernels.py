@@ -23,6 +23,10 @@ PACKED_INT8_MAX_ROWS = 4
 # oneDNN's blocking wins for the wider-input shapes (`python -m evals.bench_kernels`).
 AMX_INT8_MAX_ROWS = 64
 
+# DynamicInt8Linear scales its activation rows in one cpu_ops pass where it is built; False:
+# eager ops, the same values (`python -m evals.bench_prefill` times both).
+FUSED_ROW_SCALE = True
+
 
 def quantize_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel symmetric int8: each output row over its largest magnitude, rounded to
@@ -210,10 +214,9 @@ class OneDNNInt8Linear(nn.Module):
 
 def _scale_rows_by_max(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows / m, m), m each row's largest magnitude (at least 1e-12, [R, 1]): one pass of
-    cpu_ops where it is built, else the same values from eager ops (abs().amax(): as
-    vector_norm(inf), which measured 6x slower at 16 rows). The eager ops read the rows four
-    times; `python -m evals.bench_kernels --rows 2048` times the layers at prefill sizes."""
-    if cpu_ops.available() and rows.stride(-1) == 1:
+    cpu_ops where it is built, else the same values from eager ops, which read the rows four
+    times (abs().amax(): as vector_norm(inf), and faster at decode sizes)."""
+    if FUSED_ROW_SCALE and cpu_ops.available() and rows.stride(-1) == 1:
         return cpu_ops.scale_rows_by_max(rows)
     row_max = rows.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
     return rows / row_max, row_max

@@ -128,7 +128,9 @@ class GateUpMLP(MLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        # The product into gelu's own output: the same values, one [rows, intermediate]
+        # tensor fewer (fresh pages at prefill sizes).
+        return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
 
 
 class FusedDecoderLayer(DecoderLayer):
