@@ -16,18 +16,18 @@ import time
 from collections.abc import Callable
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim, or None where the C library has none (musl, macOS, Windows)."""
+def _glibc_function(symbol: str) -> Callable[..., int] | None:
+    """A glibc malloc function, or None where the C library has none (musl, macOS, Windows)."""
     name = ctypes.util.find_library("c")
     if name is None:
         return None
     try:
-        return ctypes.CDLL(name).malloc_trim
+        return getattr(ctypes.CDLL(name), symbol)
     except (OSError, AttributeError):
         return None
 
 
-_TRIM = _malloc_trim()
+_TRIM = _glibc_function("malloc_trim")
 
 # mallopt's parameters (glibc's malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
@@ -43,12 +43,8 @@ def keep_step_memory() -> bool:
     was a fresh mapping), large blocks from it, and its free top kept up to _TRIM_THRESHOLD.
     `python -m evals.bench_prefill [--default-heap]` counts a prefill step's page faults with
     and without. Call before the engine thread starts; False where the C library is not glibc."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
+    mallopt = _glibc_function("mallopt")
+    if mallopt is None:
         return False
     settings = (
         (_M_ARENA_MAX, 1),
