@@ -80,7 +80,10 @@ struct Float32Units {  // vfmadd: 16 float32 products per instruction
   static acc_t zero() { return _mm512_setzero_ps(); }
   static acc_t load(const w_t* w) { return _mm512_loadu_ps(w); }
   static acc_t broadcast(x_t x) { return _mm512_set1_ps(x); }
-  static acc_t madd(acc_t acc, acc_t x, acc_t w) { return _mm512_fmadd_ps(x, w, acc); }
+  static acc_t madd(acc_t acc, acc_t x, acc_t w) {
+    __asm__("vfmadd231ps %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+    return acc;
+  }
   static void store(sum_t* sums, acc_t acc) { _mm512_storeu_ps(sums, acc); }
 };
 #endif
@@ -94,7 +97,10 @@ struct BFloat16Units {  // vdpbf16ps: 16 outputs x a pair of inputs, summed in f
   static acc_t zero() { return _mm512_setzero_ps(); }
   static __m512bh load(const w_t* w) { return (__m512bh)_mm512_loadu_si512(w); }
   static __m512bh broadcast(x_t x) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(x)); }
-  static acc_t madd(acc_t acc, __m512bh x, __m512bh w) { return _mm512_dpbf16_ps(acc, x, w); }
+  static acc_t madd(acc_t acc, __m512bh x, __m512bh w) {
+    __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+    return acc;
+  }
   static void store(sum_t* sums, acc_t acc) { _mm512_storeu_ps(sums, acc); }
 };
 #endif
@@ -108,7 +114,10 @@ struct Int8Units {  // vpdpbusd: 16 outputs x four uint8 x int8 products, summed
   static acc_t zero() { return _mm512_setzero_si512(); }
   static acc_t load(const w_t* w) { return _mm512_loadu_si512(w); }
   static acc_t broadcast(x_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
-  static acc_t madd(acc_t acc, acc_t x, acc_t w) { return _mm512_dpbusd_epi32(acc, x, w); }
+  static acc_t madd(acc_t acc, acc_t x, acc_t w) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+    return acc;
+  }
   static void store(sum_t* sums, acc_t acc) { _mm512_storeu_si512(sums, acc); }
 };
 #endif
