@@ -74,19 +74,18 @@ def library_only(module_class: type[nn.Module]):
     row count."""
 
     def build(weight: torch.Tensor) -> Call:
-        module = module_class(weight)
-        if isinstance(module, BFloat16Linear):
+        if module_class is BFloat16Linear:
+            module = BFloat16Linear(weight)
             module.tiles = None
-        else:
-            module.packed_rows = None
-        return module
+            return module
+        return module_class(weight, packed=False)
 
     return build
 
 
 # Each kernel as the server runs it, and its library alone where the server runs cpu_ops'
 # packed kernels at some row counts (PackedLinear: all; bf16: up to 4 rows, or 128 where cpu_ops
-# has AMX tiles; int8: up to 4 rows, or 64 where it has AMX tiles). The int8 library is the one
+# has AMX tiles; int8: all with VNNI, up to 64 where it has AMX tiles). The int8 library is the one
 # `int8` picks on this CPU (int8_linear_class); on an AMX CPU fbgemm is timed beside it. Without
 # AMX oneDNN's int8 GEMM is left out: on an AVX512-VNNI CPU it took seconds a call from 8 rows.
 _INT8 = int8_linear_class()

@@ -54,9 +54,10 @@ def head_calls(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @pytest.fixture(scope="module")
 def prompts(llm: LLM) -> list[str]:
     """As many prompts as the int8 head's kernel serves rows, at most 9: more than the kernel's
-    register blocks, so that on AMX the step runs on tiles; 4 on VNNI (PackedInt8Rows)."""
+    register blocks (6 rows), so that the step runs two blocks, or AMX tiles where it has them
+    (PackedInt8Rows)."""
     head = llm.engine.backend.model.fast_head
-    rows = min(9, head.packed_rows.max_rows)
+    rows = min(9, head.packed_rows.max_rows or 9)
     return [f"Item {i}: the best thing about the number {i} is" for i in range(rows)]
 
 

@@ -186,12 +186,12 @@ def test_onednn_int8_against_float32() -> None:
 def test_fbgemm_int8_equals_its_integers() -> None:
     """fbgemm's int8 GEMM equals its integers multiplied exactly (float64): the weights as
     packed, the activations as PyTorch quantizes each row divided by its largest magnitude
-    (uint8 over the fixed [-1, 1], 127 levels each side of 128). Past the rows cpu_ops' kernel
-    serves (7 here), fbgemm computes them. Without VNNI, 8-bit weights saturated fbgemm's int16 pair
-    sums and put outputs off by up to 23 here; 7-bit ones cannot (int8_weight_max)."""
+    (uint8 over the fixed [-1, 1], 127 levels each side of 128); fbgemm alone (packed=False),
+    as on a CPU without VNNI. Without VNNI, 8-bit weights saturated fbgemm's int16 pair sums
+    and put outputs off by up to 23 here; 7-bit ones cannot (int8_weight_max)."""
     torch.manual_seed(3)
     weight, x = torch.randn(96, 64), torch.randn(7, 64)
-    linear = DynamicInt8Linear(weight)
+    linear = DynamicInt8Linear(weight, packed=False)
     (slice_,) = linear.slices  # a small weight is prepacked whole
     packed_weight, _ = torch.ops.quantized.linear_unpack(slice_)
     w_q = packed_weight.int_repr().double()
@@ -206,13 +206,13 @@ def test_fbgemm_int8_equals_its_integers() -> None:
 
 def test_fbgemm_int8_in_slices_equals_it_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     """A weight past the slice size (the LM head) is prepacked in slices of output columns;
-    every output is the same dot product, so the result is bit for bit the whole weight's, at
-    row counts past those cpu_ops' kernel serves, the last slice short."""
+    every output is the same dot product, so the result is bit for bit the whole weight's, the
+    last slice short."""
     torch.manual_seed(4)
     weight = torch.randn(200, 64)
-    whole = DynamicInt8Linear(weight)
+    whole = DynamicInt8Linear(weight, packed=False)
     monkeypatch.setattr(linear_kernels, "OUTPUT_SLICE", 64)
-    sliced = DynamicInt8Linear(weight)
+    sliced = DynamicInt8Linear(weight, packed=False)
     assert len(whole.slices) == 1 and len(sliced.slices) == 4  # 64 + 64 + 64 + 8 outputs
     for rows in (5, 16, 33):
         x = torch.randn(rows, 64)
@@ -222,9 +222,9 @@ def test_fbgemm_int8_in_slices_equals_it_whole(monkeypatch: pytest.MonkeyPatch) 
 @pytest.mark.parametrize("linear_class", [DynamicInt8Linear, OneDNNInt8Linear])
 def test_int8_linear_rows_do_not_depend_on_the_batch(linear_class) -> None:
     """Each row is quantized with its own scale: alone or beside a row 100x larger, the same
-    integers. Alone, a row runs cpu_ops' kernel where it is built; six rows run the library
-    (fbgemm, oneDNN), whose rescale to float32 may round differently in the last bit (a shared
-    scale would be off by far more: the big row would coarsen the others to a few levels)."""
+    integers. The library (fbgemm, oneDNN) and cpu_ops' kernel may rescale to float32
+    differently in the last bit (a shared scale would be off by far more: the big row would
+    coarsen the others to a few levels)."""
     torch.manual_seed(0)
     linear = linear_class(torch.randn(96, 64))
     x = torch.randn(6, 64)

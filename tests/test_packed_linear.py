@@ -12,7 +12,6 @@ from engine.model import cpu_ops
 from engine.model.cpu_features import has_amx, int8_weight_max
 from engine.model.int8_kernels import (
     AMX_INT8_MAX_ROWS,
-    PACKED_INT8_MAX_ROWS,
     DynamicInt8Linear,
     OneDNNInt8Linear,
 )
@@ -149,16 +148,33 @@ def test_int8_equals_its_integers(outputs: int, inputs: int, rows: int) -> None:
 
 @needs_packed(torch.int8)
 @pytest.mark.parametrize("linear_class", [DynamicInt8Linear, OneDNNInt8Linear])
-@pytest.mark.parametrize("rows", range(1, PACKED_INT8_MAX_ROWS + 1))
-def test_int8_module_few_rows_against_its_library(linear_class, rows: int) -> None:
-    """Up to PACKED_INT8_MAX_ROWS rows run cpu_ops' kernel, more rows the module's library
-    (fbgemm, oneDNN): the same integers, rescaled in the last bit alike."""
+@pytest.mark.parametrize("rows", [1, 4, 7, 64])
+def test_int8_module_against_its_library(linear_class, rows: int) -> None:
+    """The rows cpu_ops' kernel serves (every count on VNNI, up to AMX_INT8_MAX_ROWS on AMX)
+    give what the module's library alone (fbgemm, oneDNN) gives: the same integers, rescaled
+    in the last bit alike."""
     weight, x = random(200, 96, seed=21) * 0.05, random(rows, 96, seed=22)
     module = linear_class(weight)
     assert module.packed_rows is not None and module.packed_rows.serves(rows)
-    ours = module(x)
-    module.packed_rows = None
-    torch.testing.assert_close(ours, module(x), rtol=1e-6, atol=1e-6)
+    library = linear_class(weight, packed=False)
+    assert library.packed_rows is None
+    torch.testing.assert_close(module(x), library(x), rtol=1e-6, atol=1e-6)
+
+
+@needs_packed(torch.int8)
+@pytest.mark.skipif(has_amx(), reason="AMX CPUs run oneDNN past AMX_INT8_MAX_ROWS")
+def test_int8_module_runs_every_row_count_on_vnni_without_a_library_copy() -> None:
+    """Without AMX cpu_ops' VNNI kernel runs prefill-sized calls too, and a module keeps no
+    second copy of its weights for fbgemm: a row's outputs are the same alone and among 300,
+    bit for bit."""
+    weight, x = random(130, 96, seed=23) * 0.05, random(300, 96, seed=24)
+    module = DynamicInt8Linear(weight)
+    assert module.slices == [] and module.packed_rows.max_rows is None
+    batched = module(x)
+    alone = torch.cat([module(x[i : i + 1]) for i in (0, 150, 299)])
+    assert torch.equal(batched[[0, 150, 299]], alone)
+    torch.testing.assert_close(batched, DynamicInt8Linear(weight, packed=False)(x), rtol=1e-6,
+                               atol=1e-6)  # fmt: skip
 
 
 @needs_packed(torch.int8)
@@ -280,8 +296,7 @@ def test_large_matrices_run_in_output_slices(rows: int) -> None:
     product of the bfloat16-rounded operands, rounded to bfloat16 as oneDNN's output is."""
     outputs, inputs = 2 * OUTPUT_SLICE + 37, 64
     weight, x = random(outputs, inputs, seed=31) * 0.05, random(rows, inputs, seed=32)
-    int8 = OneDNNInt8Linear(weight)
-    int8.tiles = None  # oneDNN at every row count
+    int8 = OneDNNInt8Linear(weight, packed=False)  # oneDNN at every row count
     assert len(int8.slices) == 3
     integers, scales = int8_integers(weight)
     expected = int8_reference(x, integers, scales / 127)
@@ -356,10 +371,11 @@ def test_int8_module_argmax_where_its_kernel_serves_the_rows(linear_class) -> No
     kernel serves, and None past them, where its library computes the outputs."""
     weight = random(500, 128, seed=51) * 0.05
     module = linear_class(weight)
-    most = AMX_INT8_MAX_ROWS if module.packed_rows.amx else PACKED_INT8_MAX_ROWS
-    for rows in (1, most):
+    most = module.packed_rows.max_rows  # None: every row count (VNNI without AMX)
+    for rows in (1, most or 300):
         x = random(rows, 128, seed=rows)
         found = module.argmax(x)
         assert found is not None
         assert torch.equal(found, module(x).max(dim=1).indices)
-    assert module.argmax(random(most + 1, 128, seed=0)) is None
+    if most is not None:
+        assert module.argmax(random(most + 1, 128, seed=0)) is None

@@ -1,8 +1,10 @@
 """The int8 linear kernels (CPU): weights int8 with one scale per output channel, activations
-quantized per call with one scale per row, integer products rescaled to float32. fbgemm runs
-DynamicInt8Linear, oneDNN OneDNNInt8Linear (the faster one on CPUs with AMX tiles, see
-engine.model.kernel_select); at decode sizes both hand their rows to cpu_ops' own kernel
-(PackedInt8Rows) on the same integers."""
+quantized per call with one scale per row, integer products rescaled to float32.
+
+cpu_ops' own kernel (PackedInt8Rows) runs every row count on CPUs with AVX512-VNNI and no AMX,
+and decode-sized batches on CPUs with AMX tiles. A library runs the rest: oneDNN in
+OneDNNInt8Linear (the faster one on CPUs with AMX tiles, see engine.model.kernel_select), fbgemm
+in DynamicInt8Linear (and on CPUs with neither, everything)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,6 @@ from torch import nn
 from engine.model import cpu_ops
 from engine.model.cpu_features import int8_weight_max
 from engine.model.linear_kernels import output_slices, padded_rows, scatter_columns, slice_output
-
-# The same for the int8 kernel (OneDNNInt8Linear) and cpu_ops' VNNI kernel, measured the same.
-PACKED_INT8_MAX_ROWS = 4
 
 # Rows up to which cpu_ops' int8 kernel runs on AMX tiles where it has them (decode steps):
 # there it streams the weights faster than oneDNN for every layer shape, and at prefill sizes
@@ -39,8 +38,9 @@ def quantize_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 class PackedInt8Rows:
-    """cpu_ops' int8 kernel over a layer's int8 weights, for decode-sized row counts: up to
-    AMX_INT8_MAX_ROWS where it has AMX tiles, else PACKED_INT8_MAX_ROWS (VNNI). Each row is
+    """cpu_ops' int8 kernel over a layer's int8 weights: every row count on VNNI, up to
+    AMX_INT8_MAX_ROWS where it has AMX tiles (oneDNN's blocking wins past it). Without AMX it
+    outruns fbgemm from one row to prefill sizes (`python -m evals.bench_kernels`). Each row is
     quantized at 127 over its largest magnitude; the sums are exact and the rescale the same at
     any row count, so a row's outputs do not depend on its batch. Both int8 modules run it
     below its row limit and their library above."""
@@ -51,7 +51,7 @@ class PackedInt8Rows:
         self.scales = weight_scales / 127
         self.compensation = (integers.sum(dim=1, dtype=torch.int32) * 128).int()
         self.amx = cpu_ops.packed_amx(torch.int8, self.in_features)
-        self.max_rows = AMX_INT8_MAX_ROWS if self.amx else PACKED_INT8_MAX_ROWS
+        self.max_rows: int | None = AMX_INT8_MAX_ROWS if self.amx else None
 
     @classmethod
     def where_supported(
@@ -63,7 +63,7 @@ class PackedInt8Rows:
         return cls(integers, weight_scales)
 
     def serves(self, rows: int) -> bool:
-        return rows <= self.max_rows
+        return self.max_rows is None or rows <= self.max_rows
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in] @ W.T, float32, written into `out` where it fits (slice_output)."""
@@ -87,11 +87,11 @@ class DynamicInt8Linear(nn.Module):
     other row, and a request's result would depend on who else is in the batch. Instead each row
     is divided by its largest magnitude and quantized at the fixed range [-1, 1] (uint8, scale
     1/127, zero point 128): every row gets its own scale and the same quantization alone or in
-    any batch, the integers cpu_ops' kernel takes, which runs decode-sized batches where the
-    CPU has VNNI (PackedInt8Rows: faster than fbgemm there, as `python -m evals.bench_kernels`
-    measures on a CPU without AMX). The two rescale in another order, so a row's last bits can
-    change past that row count. The row's magnitude multiplies the output back. Weights use 7
-    bits on CPUs without VNNI, where 8 would saturate fbgemm's int16 pair sums
+    any batch, the integers cpu_ops' kernel takes. Where the CPU has VNNI that kernel runs
+    every call (PackedInt8Rows; on AMX CPUs decode-sized ones) and fbgemm's copy of the weights
+    is never made; `packed=False` runs fbgemm alone, to compare. The two rescale in another
+    order, so their last bits can differ. The row's magnitude multiplies the output back.
+    Weights use 7 bits on CPUs without VNNI, where 8 would saturate fbgemm's int16 pair sums
     (int8_weight_max).
     """
 
@@ -100,10 +100,14 @@ class DynamicInt8Linear(nn.Module):
     INPUT_SCALE = 1 / 127
     INPUT_ZERO_POINT = 128
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, packed: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         integers, scales = quantize_int8_weight(weight)
+        self.packed_rows = PackedInt8Rows.where_supported(integers, scales) if packed else None
+        if _serves_every_row_count(self.packed_rows):
+            self.slices: list[torch.ScriptObject] = []
+            return
         # A large matrix (the LM head) in slices of output columns, as OneDNNInt8Linear: fbgemm
         # reads the whole weight again for every few rows, from memory when it is larger than
         # the cache (168 MB), from the cache when it is a slice; each slice's output is
@@ -115,7 +119,6 @@ class DynamicInt8Linear(nn.Module):
                 output_slices(integers), output_slices(scales), strict=True
             )
         ]
-        self.packed_rows = PackedInt8Rows.where_supported(integers, scales)
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T, written into `out` where it fits (slice_output)."""
@@ -153,22 +156,28 @@ class OneDNNInt8Linear(nn.Module):
     every row has its own scale and is quantized the same alone or in any batch. The products
     are summed exactly in int32 (AMX tiles where the CPU has them) and rescaled to float32, then
     multiplied by the row's magnitude; oneDNN picks its kernel by row count, so that rescale can
-    round differently in the last bit with the batch size. Decode-sized batches run cpu_ops'
-    kernel on the same integers (PackedInt8Rows); `python -m evals.bench_kernels` times both
-    (docs/kernels.md, "Linear kernels per call").
+    round differently in the last bit with the batch size. cpu_ops' kernel runs the row counts
+    it serves on the same integers (PackedInt8Rows), and oneDNN's copy of the weights is made
+    only where it does not serve them all; `packed=False` runs oneDNN alone, to compare.
+    `python -m evals.bench_kernels` times both (docs/kernels.md, "Linear kernels per call").
     """
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, packed: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         integers, self.weight_scales = quantize_int8_weight(weight)
+        self.packed_rows = (
+            PackedInt8Rows.where_supported(integers, self.weight_scales) if packed else None
+        )
+        if _serves_every_row_count(self.packed_rows):
+            self.slices: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+            return
         self.slices = [
             (torch.ops.onednn.qlinear_prepack(part, None), scales, torch.zeros_like(scales).long())
             for part, scales in zip(
                 output_slices(integers), output_slices(self.weight_scales), strict=True
             )
         ]
-        self.packed_rows = PackedInt8Rows.where_supported(integers, self.weight_scales)
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """As BFloat16Linear.forward: a sliced output goes into `out` where it fits."""
@@ -233,6 +242,11 @@ def _fbgemm_prepack(integers: torch.Tensor, scales: torch.Tensor) -> torch.Scrip
             integers.contiguous(), scales.double(), zero_points, 0
         )
     return torch.ops.quantized.linear_prepack(quantized, None)
+
+
+def _serves_every_row_count(packed_rows: PackedInt8Rows | None) -> bool:
+    """Whether cpu_ops' kernel runs every call, so the module's library never does."""
+    return packed_rows is not None and packed_rows.max_rows is None
 
 
 def _packed_for(packed_rows: PackedInt8Rows | None, rows: int) -> PackedInt8Rows | None:

@@ -629,27 +629,47 @@ void check_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 }
 
 #if defined(__AVX512VNNI__)
+// One row of quantize_rows: its largest magnitude (at least 1e-12), and q[i] = nearbyint(x[i] *
+// 127 / that) + 128 for i < width. cvtps_epi32 rounds in the current mode, as nearbyint does.
+float quantize_row(const float* x, int64_t width, uint8_t* q) {
+  __m512 top = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= width; i += 16) {  // max(|x|, top): top where |x| is NaN, as std::max
+    top = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), top);
+  }
+  const __mmask16 tail = static_cast<__mmask16>((1u << (width - i)) - 1);
+  top = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(tail, x + i)), top);
+  const float row_max = std::max(_mm512_reduce_max_ps(top), 1e-12f);
+  const __m512 scale = _mm512_set1_ps(127.f / row_max);
+  const __m512i zero_point = _mm512_set1_epi32(128);
+  for (i = 0; i + 16 <= width; i += 16) {
+    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), scale));
+    _mm512_mask_cvtepi32_storeu_epi8(q + i, 0xFFFF, _mm512_add_epi32(v, zero_point));
+  }
+  const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(tail, x + i), scale));
+  _mm512_mask_cvtepi32_storeu_epi8(q + i, tail, _mm512_add_epi32(v, zero_point));
+  return row_max;
+}
+
 Int8Rows quantize_rows(const at::Tensor& x, int64_t count) {
   const int64_t rows = x.size(0), width = x.size(1);
   const bool amx = rows > kMaxRows && packed_amx(at::kChar, 4 * count);
   Int8Rows result{at::Tensor(), std::vector<float>(rows), amx_row_bytes(count), amx};
   const int64_t padded = amx ? amx_padded_rows(rows) : rows;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  result.quantized = at::full({padded, result.stride}, 128, x.options().dtype(at::kByte));
+  result.quantized = at::empty({padded, result.stride}, x.options().dtype(at::kByte));
   const float* in = xf.data_ptr<float>();
   uint8_t* q = result.quantized.data_ptr<uint8_t>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = in + r * width;
-    float top = 0.f;
-    for (int64_t i = 0; i < width; ++i) {
-      top = std::max(top, std::fabs(xr[i]));
+  const int64_t stride = result.stride;
+  // Rows in parallel once there are enough of them to pay for waking the other threads.
+  const int64_t chunk = rows * width < (1 << 16) ? rows : balanced_chunk(rows);
+  parallel_chunks(rows, chunk, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      result.row_max[r] = quantize_row(in + r * width, width, q + r * stride);
+      std::memset(q + r * stride + width, 128, stride - width);  // padding: uint8 zero
     }
-    result.row_max[r] = std::max(top, 1e-12f);
-    const float scale = 127.f / result.row_max[r];
-    for (int64_t i = 0; i < width; ++i) {
-      q[r * result.stride + i] = static_cast<uint8_t>(std::nearbyint(xr[i] * scale) + 128.f);
-    }
-  }
+  });
+  std::memset(q + rows * stride, 128, (padded - rows) * stride);
   return result;
 }
 
