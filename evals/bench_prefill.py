@@ -1,17 +1,23 @@
 """Prefill steps on the embedded model in the default weight mode: a step that prefills
 `--prompts` fresh prompts of `--prompt-tokens` tokens each (2,048 tokens by default, the step
-budget), with the int8 activations scaled by their row maximum in one cpu_ops pass
-(engine.model.int8_kernels.FUSED_ROW_SCALE) and by the eager ops it replaces, taking turns in
-one process so the machine's drift hits both alike. Each round times one prefill step per way
-and the decode steps after it (to `--output-tokens`); the figures are medians over the rounds
-after the first. The int8 layers quantize the same integers either way: only time differs.
+budget), three ways taking turns in one process so the machine's drift hits them alike:
+- `cpu_ops int8 kernel`: the engine as served; on a CPU with AVX512-VNNI and no AMX, cpu_ops'
+  kernel runs every int8 call (engine.model.int8_kernels.PackedInt8Rows);
+- `fbgemm, cpu_ops row scale`: a second engine with that kernel withheld, so fbgemm runs every
+  int8 call, as on a CPU without VNNI, its activations scaled by their row maximum in one
+  cpu_ops pass (int8_kernels.FUSED_ROW_SCALE);
+- `fbgemm, eager row scale`: the same with the eager ops that pass replaces.
+Both fbgemm ways quantize the same integers; the cpu_ops kernel rounds a few activations one
+level apart (x * 127 / m against x / m * 127). Each round times one prefill step per way and the
+decode steps after it (to `--output-tokens`); the figures are medians over the rounds after the
+first. On a CPU where WEIGHTS=auto is not int8 (AMX: bf16-int8head) the int8 ways time int8.
 
 The steps run on a thread of their own, as the server's engine loop does, with the heap set up
 as the server sets it (engine.host_memory.keep_step_memory), or with glibc's defaults under
 `--default-heap`; each way's minor page faults per prefill step are reported beside its time.
 
-With `--profile`, a torch.profiler table of one more fused prefill step: where its time goes
-by operator.
+With `--profile`, a torch.profiler table of one more prefill step as served: where its time
+goes by operator.
 
     python -m evals.bench_prefill [--rounds 8] [--prompts 16] [--prompt-tokens 128]
                                   [--default-heap] [--profile]
@@ -25,6 +31,7 @@ import resource
 import statistics
 import threading
 import time
+from unittest import mock
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -41,7 +48,7 @@ from engine.sampling import SamplingParams
 from engine.sched.config import SchedulerConfig
 from evals.harness import RESULTS, token_prompt, write_results
 
-WAYS = ("eager row scale", "cpu_ops row scale")
+WAYS = ("fbgemm, eager row scale", "fbgemm, cpu_ops row scale", "cpu_ops int8 kernel")
 
 
 def main() -> None:
@@ -62,10 +69,14 @@ def main() -> None:
 def run(args: argparse.Namespace, heap: str) -> None:
     if not cpu_ops.available():
         raise SystemExit("the fused CPU kernels could not be built here (see the log)")
-    kernel = kernel_for("auto", "fast", torch.device("cpu"))
-    if kernel != "int8":
-        print(f"note: WEIGHTS=auto is {kernel} here, whose int8 kernel is not fbgemm's")
-    engine = default_engine(kernel, args.prompts, args.prompts * args.prompt_tokens)
+    if kernel_for("auto", "fast", torch.device("cpu")) != "int8":
+        print("note: WEIGHTS=auto is not int8 here; timing int8")
+    budget = args.prompts * args.prompt_tokens
+    served = default_engine(args.prompts, budget)
+    # The same engine with cpu_ops' int8 kernel withheld: the int8 modules build fbgemm's.
+    with mock.patch.object(int8_kernels.PackedInt8Rows, "where_supported", return_value=None):
+        library = default_engine(args.prompts, budget)
+    engines = {WAYS[0]: library, WAYS[1]: library, WAYS[2]: served}
     rng = random.Random(0)
     params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True, temperature=1.0)
     prefill: dict[str, list[float]] = {way: [] for way in WAYS}
@@ -73,7 +84,8 @@ def run(args: argparse.Namespace, heap: str) -> None:
     faults: dict[str, list[int]] = {way: [] for way in WAYS}
     for round_index in range(args.rounds + 1):  # the first round warms up
         for way in WAYS if round_index % 2 else reversed(WAYS):
-            int8_kernels.FUSED_ROW_SCALE = way == "cpu_ops row scale"
+            int8_kernels.FUSED_ROW_SCALE = way != WAYS[0]
+            engine = engines[way]
             prompts = [
                 token_prompt(engine.tokenizer, rng, args.prompt_tokens) for _ in range(args.prompts)
             ]
@@ -99,23 +111,24 @@ def run(args: argparse.Namespace, heap: str) -> None:
         ),
     ]
     markdown = "\n".join(lines)
-    print(f"{torch.get_num_threads()} threads, {args.rounds} rounds, kernel {kernel}, heap {heap}")
+    print(f"{torch.get_num_threads()} threads, {args.rounds} rounds, int8, heap {heap}")
     print(markdown)
     if args.profile:
-        print(profile_prefill(engine, rng, args, params))
+        print(profile_prefill(served, rng, args, params))
     path = write_results(
         "bench_prefill",
         {"rounds": args.rounds, "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
-         "kernel": kernel, "heap": heap, "prefill_step_ms": ms, "decode_step_ms": decode_ms,
+         "kernel": "int8", "heap": heap, "prefill_step_ms": ms, "decode_step_ms": decode_ms,
          "prefill_step_minor_faults": step_faults, "markdown": markdown},
         RESULTS / f"bench_prefill{'_default_heap' if args.default_heap else ''}.json",
     )  # fmt: skip
     print(f"wrote {path}")
 
 
-def default_engine(kernel: str, max_seqs: int, budget: int) -> LLMEngine:
-    """The server's default mode (`kernel`: WEIGHTS=auto, NUMERICS=fast) with a step budget
+def default_engine(max_seqs: int, budget: int) -> LLMEngine:
+    """WEIGHTS=int8, NUMERICS=fast (the default mode on CPUs without AMX) with a step budget
     that prefills every prompt at once and no prefix cache (every prompt is computed)."""
+    kernel = "int8"
     device = torch.device("cpu")
     loaded = load_model(EMBEDDED_MODEL, torch.float32)
     config = EngineConfig(

@@ -1,6 +1,6 @@
 """What each weight mode costs in quality: perplexity on a fixed long text, greedy agreement.
 
-    python -m evals.quality [--context 512] [--prompts 100] [--new-tokens 32]
+    python -m evals.quality [--context 512] [--prompts 100] [--new-tokens 32] [--out PATH]
 
 Modes: float32 exact (bit-equal to transformers), float32 fast (pre-packed oneDNN), bf16
 (oneDNN bfloat16 weights and activations), bf16-int8head (bf16 layers, int8 LM head) and int8
@@ -166,6 +166,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=100)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=None, help="default: results/quality.json")
     args = parser.parse_args()
     if not TEXT_PATH.exists():
         raise SystemExit(f"{TEXT_PATH} is missing: install Debian's base-files package")
@@ -217,6 +218,7 @@ def main() -> None:
         {"text": str(TEXT_PATH), "text_tokens": len(tokens), "context": args.context,
          "prompts": args.prompts, "new_tokens": args.new_tokens, "modes": results,
          "kv_cache_perplexity": kv_cache, "llama_cpp_q4_k_m_perplexity": llama},
+        args.out,
     )  # fmt: skip
     bars = {name: row["perplexity"] for name, row in results.items()}
     if llama:
