@@ -124,8 +124,9 @@ def int8_reference(x: torch.Tensor, integers: torch.Tensor, scales: torch.Tensor
 
 # The int8 kernel runs more than 6 rows on AMX tiles where it was built with them, for inputs
 # in multiples of 64 (the first and last shape): 64 rows fill one pass of four row tiles, 70
-# need a second, partial one.
-INT8_ROWS = [*ROWS, 64, 70]
+# need a second, partial one. Without AMX, more than 120 rows run in panels of 120 (250: two
+# whole panels and a partial one).
+INT8_ROWS = [*ROWS, 64, 70, 250]
 
 
 @needs_packed(torch.int8)

@@ -241,6 +241,37 @@ void run_tiles(const x_t* x, int64_t rows, int64_t x_stride, const w_t* w, int64
   });
 }
 
+
+// Rows per panel of run_tile_panels: 20 register blocks of 6.
+constexpr int64_t kPanelRows = 120;
+
+// Many rows (prefill) of the same sums as run_tiles, in panels of kPanelRows rows: each work
+// item is one panel against a run of tiles, handed to block(t, row0, panel_rows, sums) tile by
+// tile ([panel_rows][64] sums). A panel's rows stay in the core's L2 across its tiles and a
+// tile's sums in L1, where run_tiles' one pass of every row per tile reads all the rows again
+// from L3 for every tile and writes sums of megabytes.
+template <typename Units, typename Block, typename x_t = typename Units::x_t,
+          typename w_t = typename Units::w_t>
+void run_tile_panels(const x_t* x, int64_t rows, int64_t x_stride, const w_t* w, int64_t tiles,
+                     int64_t count, Block block) {
+  const int64_t tile_elements = count * kTile * (4 / static_cast<int64_t>(sizeof(w_t)));
+  const int64_t panels = (rows + kPanelRows - 1) / kPanelRows;
+  const int64_t run = std::max<int64_t>(1, tiles / 4);  // tiles per item
+  const int64_t runs = (tiles + run - 1) / run;         // items per panel
+  parallel_chunks(panels * runs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<typename Units::sum_t> sums(kPanelRows * kTile);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row0 = item / runs * kPanelRows, n = std::min(kPanelRows, rows - row0);
+      const int64_t first = item % runs * run, last = std::min(tiles, first + run);
+      for (int64_t t = first; t < last; ++t) {
+        const w_t* next = t + 1 < last ? w + (t + 1) * tile_elements : nullptr;
+        tile_all_rows<Units>(x + row0 * x_stride, n, x_stride, w + t * tile_elements, count, next,
+                             sums.data());
+        block(t, row0, n, sums.data());
+      }
+    }
+  });
+}
 #endif
 
 // run_tiles over float32 or bfloat16 packed weights, with x in the form their kernel reads.
@@ -690,9 +721,14 @@ void int8_tile_sums(const Int8Rows& x, int64_t rows, const at::Tensor& packed, B
     return;
   }
 #endif
-  run_tiles<Int8Units>(reinterpret_cast<const uint32_t*>(q), rows, x.stride / 4,
-                       packed.data_ptr<int8_t>(), packed.size(0), count, 1,
-                       [&](int64_t t, const int32_t* sums) { block(t, 0, rows, sums); });
+  const auto* units = reinterpret_cast<const uint32_t*>(q);
+  if (rows > kPanelRows) {
+    run_tile_panels<Int8Units>(units, rows, x.stride / 4, packed.data_ptr<int8_t>(),
+                               packed.size(0), count, block);
+    return;
+  }
+  run_tiles<Int8Units>(units, rows, x.stride / 4, packed.data_ptr<int8_t>(), packed.size(0),
+                       count, 1, [&](int64_t t, const int32_t* sums) { block(t, 0, rows, sums); });
 }
 
 // The outputs of the `valid` lanes of 16 sums: float(sum - compensation) * scale * the row's
