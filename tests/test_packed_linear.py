@@ -13,6 +13,7 @@ from engine.model.cpu_features import has_amx, int8_weight_max
 from engine.model.int8_kernels import (
     AMX_INT8_MAX_ROWS,
     DynamicInt8Linear,
+    Int8GatedMLP,
     OneDNNInt8Linear,
 )
 from engine.model.kernel_select import warm_up
@@ -23,7 +24,7 @@ from engine.model.linear_kernels import (
     BFloat16GatedMLP,
     BFloat16Linear,
     PackedLinear,
-    _alternate_tiles,
+    alternate_tiles,
     row_buckets,
 )
 from tests.conftest import needs_bf16
@@ -195,6 +196,35 @@ def test_int8_module_rows_do_not_depend_on_their_batch() -> None:
     assert torch.equal(batched, alone)
 
 
+@needs_packed(torch.int8)
+@pytest.mark.skipif(has_amx(), reason="AMX CPUs run oneDNN past AMX_INT8_MAX_ROWS")
+@pytest.mark.parametrize("hidden", [128, 100])
+@pytest.mark.parametrize("rows", [1, 7, 250])
+def test_int8_gated_mlp_against_its_integers(hidden: int, rows: int) -> None:
+    """Int8GatedMLP's product is gelu_tanh(gate) * up of the pre-activations computed by hand
+    (per-channel int8 weights, each row at 127 over its largest magnitude, exact sums), the
+    gelu in float64 within float32 rounding; then the down projection of that product by hand.
+    A row gives the same bits alone as among `rows` (hidden 100: a partial last tile)."""
+    width = 96
+    gate, up, down = (random(hidden, width, seed=61) * 0.2, random(hidden, width, seed=62) * 0.2,
+                      random(80, hidden, seed=63) * 0.2)  # fmt: skip
+    x = random(rows, width, seed=64)
+    mlp = Int8GatedMLP.where_supported(gate, up, down)
+    assert mlp is not None
+    (g_int, g_scales), (u_int, u_scales) = int8_integers(gate), int8_integers(up)
+    pre_gate = int8_reference(x, g_int, g_scales / 127).double()
+    pre_up = int8_reference(x, u_int, u_scales / 127).double()
+    product = F.gelu(pre_gate, approximate="tanh") * pre_up
+    packed = mlp.gate_up
+    got = cpu_ops.packed_int8_gated(x, packed.tiles, packed.scales, packed.compensation, hidden)
+    torch.testing.assert_close(got.double(), product, rtol=1e-5, atol=1e-6)
+    d_int, d_scales = int8_integers(down)
+    expected = int8_reference(got, d_int, d_scales / 127)
+    out = mlp(x)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(mlp(x[-1:]), out[-1:])
+
+
 def eager_gated_mlp(x, gate, up, down) -> torch.Tensor:
     """What BFloat16GatedMLP's oneDNN GEMMs compute, rounded where they round: the gelu of the
     gate's float32 sums to bfloat16, the up sums times it to bfloat16, the output to
@@ -219,7 +249,7 @@ def test_gated_mlp_against_the_eager_roundings(hidden: int, rows: int) -> None:
     x = random(rows, width, seed=8)
     out = cpu_ops.packed_gated_mlp(
         x,
-        cpu_ops.pack_linear_weight(_alternate_tiles(gate, up).bfloat16()),
+        cpu_ops.pack_linear_weight(alternate_tiles(gate, up).bfloat16()),
         cpu_ops.pack_linear_weight(down.bfloat16()),
         hidden,
         width,

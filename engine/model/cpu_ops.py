@@ -225,6 +225,19 @@ def packed_int8_linear_argmax(
     )
 
 
+def packed_int8_gated(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    compensation: torch.Tensor,
+    hidden: int,
+) -> torch.Tensor:
+    """gelu_tanh(gate(x)) * up(x), float32 [rows, hidden], over int8 weights packed with gate's
+    and up's rows in alternating runs of 64 (scales and compensation in that order too): each
+    pre-activation as packed_int8_linear computes it, activated and multiplied in cache."""
+    return torch.ops.gemma_cpu.packed_int8_gated(x, packed, scales, compensation, hidden)
+
+
 def packed_amx(dtype: torch.dtype, inputs: int) -> bool:
     """Whether packed_int8_linear (int8), packed_linear and packed_gated_mlp (bfloat16) run
     many rows on AMX tiles for weights of `inputs` inputs: built with AMX, the kernel allowed to

@@ -14,8 +14,14 @@ import torch
 from torch import nn
 
 from engine.model import cpu_ops
-from engine.model.cpu_features import int8_weight_max
-from engine.model.linear_kernels import output_slices, padded_rows, scatter_columns, slice_output
+from engine.model.cpu_features import has_amx, int8_weight_max
+from engine.model.linear_kernels import (
+    alternate_tiles,
+    output_slices,
+    padded_rows,
+    scatter_columns,
+    slice_output,
+)
 
 # Rows up to which cpu_ops' int8 kernel runs on AMX tiles where it has them (decode steps):
 # there it streams the weights faster than oneDNN for every layer shape, and at prefill sizes
@@ -219,6 +225,47 @@ class OneDNNInt8Linear(nn.Module):
             scatter_columns(part, row_max, out, start)
             start += part.shape[1]
         return out.view(*x.shape[:-1], self.out_features).to(dtype)
+
+
+class Int8GatedMLP(nn.Module):
+    """Gemma's GeGLU MLP, down(gelu_tanh(gate(x)) * up(x)), in int8 on cpu_ops' VNNI kernel
+    with the gelu and the product fused into the gate/up GEMM: gate and up are packed in
+    alternate tiles of 64 outputs, so each pair of tiles' sums is rescaled, activated and
+    multiplied while in cache, and only the [rows, hidden] product is written. The weights are
+    quantized per output channel as the int8 linears quantize them, and every pre-activation
+    is the one PackedInt8Rows computes; the gelu is cpu_ops' own tanh formula, whose last bits
+    can differ from ATen's (`evals/quality.py` measures the mode). Used where cpu_ops' kernel
+    serves every row count (where_supported); elsewhere the MLP's linears run one by one."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        super().__init__()
+        self.in_features, self.hidden = gate.shape[1], gate.shape[0]
+        self.out_features = down.shape[0]
+        (gate_integers, gate_scales), (up_integers, up_scales) = (
+            quantize_int8_weight(w) for w in (gate, up)
+        )
+        scales = alternate_tiles(gate_scales[:, None], up_scales[:, None])[:, 0]
+        self.gate_up = PackedInt8Rows(alternate_tiles(gate_integers, up_integers), scales)
+        self.down = PackedInt8Rows(*quantize_int8_weight(down))
+
+    @staticmethod
+    def where_supported(
+        gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+    ) -> Int8GatedMLP | None:
+        """The module where cpu_ops' int8 kernel runs every row count (VNNI without AMX), else
+        None."""
+        if has_amx() or not cpu_ops.packed_linear_supported(torch.int8):
+            return None
+        return Int8GatedMLP(gate, up, down)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        gate_up = self.gate_up
+        product = cpu_ops.packed_int8_gated(
+            rows, gate_up.tiles, gate_up.scales, gate_up.compensation, self.hidden
+        )
+        out = self.down.run(product, None)
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 
 def _scale_rows_by_max(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from engine.model.cpu_features import has_amx, has_bf16
-from engine.model.int8_kernels import DynamicInt8Linear, OneDNNInt8Linear
+from engine.model.int8_kernels import DynamicInt8Linear, Int8GatedMLP, OneDNNInt8Linear
 from engine.model.linear_kernels import BFloat16GatedMLP, BFloat16Linear, PackedLinear, row_buckets
 
 WEIGHT_MODES = ("auto", "fp32", "bf16", "bf16-int8head", "int8")
@@ -106,10 +106,15 @@ def make_linear(kernel: str, weight: torch.Tensor) -> nn.Module:
 
 def make_fused_mlp(
     kernel: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
-) -> BFloat16GatedMLP | None:
+) -> nn.Module | None:
     """Gemma's whole MLP as one `kernel` module where that kernel has one (bf16:
-    BFloat16GatedMLP), else None: its linears then run one by one."""
-    return BFloat16GatedMLP(gate, up, down) if kernel == "bf16" else None
+    BFloat16GatedMLP; int8 where cpu_ops' VNNI kernel runs every call: Int8GatedMLP), else
+    None: its linears then run one by one."""
+    if kernel == "bf16":
+        return BFloat16GatedMLP(gate, up, down)
+    if kernel == "int8":
+        return Int8GatedMLP.where_supported(gate, up, down)
+    return None
 
 
 def quantize_model(model: nn.Module, kernel: str, head: nn.Module | None = None) -> None:

@@ -228,7 +228,7 @@ class BFloat16GatedMLP(nn.Module):
         )
         # The same MLP for a few rows (PACKED_BF16_MAX_ROWS), or up to AMX_BF16_MAX_ROWS on AMX
         # tiles, by cpu_ops.packed_gated_mlp.
-        self.gate_up_tiles = _bf16_tiles(_alternate_tiles(gate, up))
+        self.gate_up_tiles = _bf16_tiles(alternate_tiles(gate, up))
         self.down_tiles = _bf16_tiles(down)
         self.max_packed_rows = min(
             _bf16_packed_rows(gate.shape[1]), _bf16_packed_rows(down.shape[1])
@@ -252,9 +252,9 @@ class BFloat16GatedMLP(nn.Module):
         return out.view(*x.shape[:-1], self.hidden_features)
 
 
-def _alternate_tiles(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def alternate_tiles(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate's and up's rows in alternating runs of 64 (zero-padded to a multiple of 64), as
-    cpu_ops.packed_gated_mlp takes them."""
+    cpu_ops.packed_gated_mlp and packed_int8_gated take them."""
     hidden, width = gate.shape
     tiles = -(-hidden // 64)
     runs = [

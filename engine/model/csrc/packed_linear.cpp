@@ -246,27 +246,31 @@ void run_tiles(const x_t* x, int64_t rows, int64_t x_stride, const w_t* w, int64
 constexpr int64_t kPanelRows = 120;
 
 // Many rows (prefill) of the same sums as run_tiles, in panels of kPanelRows rows: each work
-// item is one panel against a run of tiles, handed to block(t, row0, panel_rows, sums) tile by
-// tile ([panel_rows][64] sums). A panel's rows stay in the core's L2 across its tiles and a
-// tile's sums in L1, where run_tiles' one pass of every row per tile reads all the rows again
-// from L3 for every tile and writes sums of megabytes.
+// item is one panel against a run of tiles, handed to block(t, row0, panel_rows, sums) for each
+// `group` consecutive tiles ([group][panel_rows][64] sums). A panel's rows stay in the core's L2
+// across its tiles and a tile's sums in L1, where run_tiles' one pass of every row per tile
+// reads all the rows again from L3 for every tile and writes sums of megabytes.
 template <typename Units, typename Block, typename x_t = typename Units::x_t,
           typename w_t = typename Units::w_t>
 void run_tile_panels(const x_t* x, int64_t rows, int64_t x_stride, const w_t* w, int64_t tiles,
-                     int64_t count, Block block) {
+                     int64_t count, int64_t group, Block block) {
   const int64_t tile_elements = count * kTile * (4 / static_cast<int64_t>(sizeof(w_t)));
   const int64_t panels = (rows + kPanelRows - 1) / kPanelRows;
-  const int64_t run = std::max<int64_t>(1, tiles / 4);  // tiles per item
-  const int64_t runs = (tiles + run - 1) / run;         // items per panel
+  const int64_t groups = tiles / group;
+  const int64_t run = std::max<int64_t>(1, groups / 4);  // groups of tiles per item
+  const int64_t runs = (groups + run - 1) / run;         // items per panel
   parallel_chunks(panels * runs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<typename Units::sum_t> sums(kPanelRows * kTile);
+    std::vector<typename Units::sum_t> sums(group * kPanelRows * kTile);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row0 = item / runs * kPanelRows, n = std::min(kPanelRows, rows - row0);
-      const int64_t first = item % runs * run, last = std::min(tiles, first + run);
-      for (int64_t t = first; t < last; ++t) {
-        const w_t* next = t + 1 < last ? w + (t + 1) * tile_elements : nullptr;
-        tile_all_rows<Units>(x + row0 * x_stride, n, x_stride, w + t * tile_elements, count, next,
-                             sums.data());
+      const int64_t first = item % runs * run * group;
+      const int64_t last = std::min(tiles, first + run * group);
+      for (int64_t t = first; t < last; t += group) {
+        for (int64_t g = 0; g < group; ++g) {
+          const w_t* next = t + g + 1 < last ? w + (t + g + 1) * tile_elements : nullptr;
+          tile_all_rows<Units>(x + row0 * x_stride, n, x_stride, w + (t + g) * tile_elements,
+                               count, next, sums.data() + g * n * kTile);
+        }
         block(t, row0, n, sums.data());
       }
     }
@@ -341,7 +345,7 @@ inline float gelu_tanh(float x) {
   return 0.5f * x * (1.f + t);
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 // gelu_tanh above on 16 lanes, in the same steps.
 inline __m512 gelu_tanh_ps(__m512 x) {
   const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), x), _mm512_mul_ps(x, x));
@@ -354,7 +358,9 @@ inline __m512 gelu_tanh_ps(__m512 x) {
   const __m512 t = _mm512_or_ps(t_abs, sign);
   return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(one, t));
 }
+#endif
 
+#if defined(__AVX512BF16__)
 // 16 floats rounded to bfloat16 (to nearest even), and those back to float32.
 inline __m256i to_bfloat16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 inline __m512 from_bfloat16(__m256i x) {
@@ -705,16 +711,17 @@ Int8Rows quantize_rows(const at::Tensor& x, int64_t count) {
 }
 
 // The int32 sums of the quantized rows against every tile of `packed`, in parallel:
-// block(t, row0, block_rows, sums) gets tile t's sums of rows [row0, row0 + block_rows)
-// ([block_rows][64], row-major; rows past the real ones are padding to skip).
+// block(t, row0, block_rows, sums) gets the sums of tiles [t, t + group) for rows [row0, row0 +
+// block_rows) ([group][block_rows][64], row-major; rows past the real ones are padding to skip).
 template <typename Block>
-void int8_tile_sums(const Int8Rows& x, int64_t rows, const at::Tensor& packed, Block block) {
+void int8_tile_sums(const Int8Rows& x, int64_t rows, const at::Tensor& packed, int64_t group,
+                    Block block) {
   const auto* q = static_cast<const uint8_t*>(x.quantized.data_ptr());
   const int64_t count = packed.size(1);
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
   if (x.amx) {
     amx_tiles<false>(reinterpret_cast<const char*>(q), x.stride, x.quantized.size(0),
-                     static_cast<const char*>(packed.data_ptr()), packed.size(0), count, 1,
+                     static_cast<const char*>(packed.data_ptr()), packed.size(0), count, group,
                      [&](int64_t t, int64_t row0, const void* sums) {
                        block(t, row0, kAmxRowBlock, static_cast<const int32_t*>(sums));
                      });
@@ -724,11 +731,12 @@ void int8_tile_sums(const Int8Rows& x, int64_t rows, const at::Tensor& packed, B
   const auto* units = reinterpret_cast<const uint32_t*>(q);
   if (rows > kPanelRows) {
     run_tile_panels<Int8Units>(units, rows, x.stride / 4, packed.data_ptr<int8_t>(),
-                               packed.size(0), count, block);
+                               packed.size(0), count, group, block);
     return;
   }
   run_tiles<Int8Units>(units, rows, x.stride / 4, packed.data_ptr<int8_t>(), packed.size(0),
-                       count, 1, [&](int64_t t, const int32_t* sums) { block(t, 0, rows, sums); });
+                       count, group,
+                       [&](int64_t t, const int32_t* sums) { block(t, 0, rows, sums); });
 }
 
 // The outputs of the `valid` lanes of 16 sums: float(sum - compensation) * scale * the row's
@@ -769,7 +777,7 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed,
   const float* sc = scales.data_ptr<float>();
   const int32_t* comp = compensation.data_ptr<int32_t>();
   float* o = out.data_ptr<float>();
-  int8_tile_sums(q, rows, packed, [&](int64_t t, int64_t row0, int64_t block_rows,
+  int8_tile_sums(q, rows, packed, 1, [&](int64_t t, int64_t row0, int64_t block_rows,
                                       const int32_t* sums) {
     const int64_t first = t * kTile, n = std::min(kTile, out_features - first);
     for (int64_t r = 0; r < block_rows && row0 + r < rows; ++r) {
@@ -826,7 +834,7 @@ at::Tensor packed_int8_linear_argmax(const at::Tensor& x, const at::Tensor& pack
   std::vector<int32_t> column(threads * rows * 16, INT32_MAX);
   std::vector<int32_t> first_nan(threads * rows, INT32_MAX);
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  int8_tile_sums(q, rows, packed, [&](int64_t t, int64_t row0, int64_t block_rows,
+  int8_tile_sums(q, rows, packed, 1, [&](int64_t t, int64_t row0, int64_t block_rows,
                                       const int32_t* sums) {
     const int64_t first = t * kTile, n = std::min(kTile, out_features - first);
     const int64_t thread = nested ? 0 : omp_get_thread_num();
@@ -885,6 +893,52 @@ at::Tensor packed_int8_linear_argmax(const at::Tensor& x, const at::Tensor& pack
   }
 #else
   TORCH_CHECK(false, "this CPU build has no int8 packed linear kernel");
+#endif
+  return out;
+}
+
+// gelu_tanh(gate(x)) * up(x), the product Gemma's int8 MLP hands its down projection, over int8
+// weights packed with gate's and up's rows in alternating runs of 64 (tile 2 t: gate's outputs
+// 64 t.., tile 2 t + 1: up's; scales and compensation in the same order, as packed_int8_linear
+// takes them), so one task has both halves of its outputs. Each pre-activation is the value
+// packed_int8_linear computes, bit for bit; the gelu is gelu_tanh's formula, whose last bits
+// can differ from ATen's. x [rows, I]; returns [rows, hidden] float32.
+at::Tensor packed_int8_gated(const at::Tensor& x, const at::Tensor& packed,
+                             const at::Tensor& scales, const at::Tensor& compensation,
+                             int64_t hidden) {
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(0) % 2 == 0 &&
+                  hidden > 0 && hidden <= packed.size(0) / 2 * kTile,
+              "gate and up must be packed int8 weights in alternate tiles");
+  check_int8_linear(x, packed, scales, compensation, packed.size(0) * kTile);
+  const int64_t rows = x.size(0);
+  at::Tensor out = at::empty({rows, hidden}, x.options().dtype(at::kFloat));
+#if defined(__AVX512VNNI__)
+  if (rows == 0) {
+    return out;
+  }
+  const Int8Rows q = quantize_rows(x, packed.size(1));
+  const float* sc = scales.data_ptr<float>();
+  const int32_t* comp = compensation.data_ptr<int32_t>();
+  float* o = out.data_ptr<float>();
+  int8_tile_sums(q, rows, packed, 2, [&](int64_t t, int64_t row0, int64_t block_rows,
+                                         const int32_t* sums) {
+    const int64_t first = t / 2 * kTile, n = std::min(kTile, hidden - first);
+    const int64_t gate = t * kTile, up = gate + kTile;  // their outputs in packed's order
+    for (int64_t r = 0; r < block_rows && row0 + r < rows; ++r) {
+      const __m512 top = _mm512_set1_ps(q.row_max[row0 + r]);
+      const int32_t* g = sums + r * kTile;
+      const int32_t* u = sums + (block_rows + r) * kTile;
+      float* dst = o + (row0 + r) * hidden + first;
+      for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 valid = n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1;
+        const __m512 activation =
+            gelu_tanh_ps(rescale_ps(g + j, comp + gate + j, sc + gate + j, top, valid));
+        const __m512 product =
+            _mm512_mul_ps(rescale_ps(u + j, comp + up + j, sc + up + j, top, valid), activation);
+        _mm512_mask_storeu_ps(dst + j, valid, product);
+      }
+    }
+  });
 #endif
   return out;
 }
@@ -989,6 +1043,9 @@ TORCH_LIBRARY_FRAGMENT(gemma_cpu, m) {
   m.def(
       "packed_int8_linear_argmax(Tensor x, Tensor packed, Tensor scales, Tensor compensation, "
       "int out_features) -> Tensor");
+  m.def(
+      "packed_int8_gated(Tensor x, Tensor packed, Tensor scales, Tensor compensation, "
+      "int hidden) -> Tensor");
   m.def("packed_amx(ScalarType dtype, int inputs) -> bool");
   m.def(
       "packed_gated_mlp(Tensor x, Tensor gate_up, Tensor down, int hidden, int out_features) "
@@ -1000,6 +1057,7 @@ TORCH_LIBRARY_IMPL(gemma_cpu, CPU, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("packed_int8_linear", &packed_int8_linear);
   m.impl("packed_int8_linear_argmax", &packed_int8_linear_argmax);
+  m.impl("packed_int8_gated", &packed_int8_gated);
   m.impl("packed_gated_mlp", &packed_gated_mlp);
 }
 
