@@ -2,13 +2,14 @@
 `--prompts` fresh prompts of `--prompt-tokens` tokens each (2,048 tokens by default, the step
 budget), three ways taking turns in one process so the machine's drift hits them alike:
 - `cpu_ops int8 kernel`: the engine as served; on a CPU with AVX512-VNNI and no AMX, cpu_ops'
-  kernel runs every int8 call (engine.model.int8_kernels.PackedInt8Rows);
+  kernel runs every int8 call (engine.model.int8_kernels.PackedInt8Rows), each MLP as one op
+  with its gelu and product fused (Int8GatedMLP);
 - `fbgemm, cpu_ops row scale`: a second engine with that kernel withheld, so fbgemm runs every
-  int8 call, as on a CPU without VNNI, its activations scaled by their row maximum in one
-  cpu_ops pass (int8_kernels.FUSED_ROW_SCALE);
+  int8 call and ATen the gelu, as on a CPU without VNNI, its activations scaled by their row
+  maximum in one cpu_ops pass (int8_kernels.FUSED_ROW_SCALE);
 - `fbgemm, eager row scale`: the same with the eager ops that pass replaces.
 Both fbgemm ways quantize the same integers; the cpu_ops kernel rounds a few activations one
-level apart (x * 127 / m against x / m * 127). Each round times one prefill step per way and the
+level apart (x * 127 / m against x / m * 127), and its gelu's last bits can differ. Each round times one prefill step per way and the
 decode steps after it (to `--output-tokens`); the figures are medians over the rounds after the
 first. On a CPU where WEIGHTS=auto is not int8 (AMX: bf16-int8head) the int8 ways time int8.
 
@@ -73,8 +74,12 @@ def run(args: argparse.Namespace, heap: str) -> None:
         print("note: WEIGHTS=auto is not int8 here; timing int8")
     budget = args.prompts * args.prompt_tokens
     served = default_engine(args.prompts, budget)
-    # The same engine with cpu_ops' int8 kernel withheld: the int8 modules build fbgemm's.
-    with mock.patch.object(int8_kernels.PackedInt8Rows, "where_supported", return_value=None):
+    # The same engine with cpu_ops' int8 kernel withheld: the int8 modules build fbgemm's, and
+    # each MLP runs as its linears (GateUpMLP) instead of Int8GatedMLP.
+    with (
+        mock.patch.object(int8_kernels.PackedInt8Rows, "where_supported", return_value=None),
+        mock.patch.object(int8_kernels.Int8GatedMLP, "where_supported", return_value=None),
+    ):
         library = default_engine(args.prompts, budget)
     engines = {WAYS[0]: library, WAYS[1]: library, WAYS[2]: served}
     rng = random.Random(0)
