@@ -9,9 +9,10 @@ budget), three ways taking turns in one process so the machine's drift hits them
   maximum in one cpu_ops pass (int8_kernels.FUSED_ROW_SCALE);
 - `fbgemm, eager row scale`: the same with the eager ops that pass replaces.
 Both fbgemm ways quantize the same integers; the cpu_ops kernel rounds a few activations one
-level apart (x * 127 / m against x / m * 127), and its gelu's last bits can differ. Each round times one prefill step per way and the
-decode steps after it (to `--output-tokens`); the figures are medians over the rounds after the
-first. On a CPU where WEIGHTS=auto is not int8 (AMX: bf16-int8head) the int8 ways time int8.
+level apart (x * 127 / m against x / m * 127), and its gelu's last bits can differ. Each round
+times one prefill step per way and the decode steps after it (to `--output-tokens`); the
+figures are medians over the rounds after the first. On a CPU where WEIGHTS=auto is not int8
+(AMX: bf16-int8head) the int8 ways time int8.
 
 The steps run on a thread of their own, as the server's engine loop does, with the heap set up
 as the server sets it (engine.host_memory.keep_step_memory), or with glibc's defaults under
