@@ -96,7 +96,7 @@ KERNELS: dict[str, Callable[[torch.Tensor], Call]] = {
     "packed (float32, oneDNN)": float32_onednn,
     "bf16 (as served)": BFloat16Linear,
     "bf16 (oneDNN)": library_only(BFloat16Linear),
-    f"int8 ({_INT8_LIBRARY}, as served)": _INT8,
+    "int8 (as served)": _INT8,
     f"int8 ({_INT8_LIBRARY} only)": library_only(_INT8),
 }
 if _INT8 is OneDNNInt8Linear:
