@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from engine.model import cpu_ops
-from engine.model.cpu_features import has_amx, int8_weight_max
+from engine.model.cpu_features import int8_weight_max
 from engine.model.linear_kernels import (
     alternate_tiles,
     output_slices,
@@ -67,6 +67,14 @@ class PackedInt8Rows:
         if not cpu_ops.packed_linear_supported(torch.int8):
             return None
         return cls(integers, weight_scales)
+
+    @staticmethod
+    def serves_every_row_count(in_features: int) -> bool:
+        """Whether the kernel runs every row count for weights of `in_features` inputs: built
+        with VNNI, and no AMX tiles for them (those stop at AMX_INT8_MAX_ROWS)."""
+        return cpu_ops.packed_linear_supported(torch.int8) and not cpu_ops.packed_amx(
+            torch.int8, in_features
+        )
 
     def serves(self, rows: int) -> bool:
         return self.max_rows is None or rows <= self.max_rows
@@ -252,9 +260,9 @@ class Int8GatedMLP(nn.Module):
     def where_supported(
         gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
     ) -> Int8GatedMLP | None:
-        """The module where cpu_ops' int8 kernel runs every row count (VNNI without AMX), else
-        None."""
-        if has_amx() or not cpu_ops.packed_linear_supported(torch.int8):
+        """The module where cpu_ops' int8 kernel runs every row count for both its GEMMs (VNNI
+        without AMX tiles), as the int8 linears then run it; else None."""
+        if not all(PackedInt8Rows.serves_every_row_count(w.shape[1]) for w in (gate, down)):
             return None
         return Int8GatedMLP(gate, up, down)
 
