@@ -11,7 +11,14 @@ import torch
 from engine.backends.custom import CustomBackend
 from engine.model import cpu_ops
 from engine.model.gemma import Attention, DecoderLayer, RMSNorm, rotate
-from engine.model.optimize import CpuOpsAttention, FusedDecoderLayer, FusedRMSNorm
+from engine.model.int8_kernels import PackedInt8Rows
+from engine.model.optimize import (
+    CpuOpsAttention,
+    FusedDecoderLayer,
+    FusedRMSNorm,
+    Int8DecoderLayer,
+    _adopt,
+)
 from tests.conftest import needs_bf16
 from tests.paged_driver import PagedDriver, hf_model
 from tests.test_forward_gemma3 import gqa_config
@@ -296,3 +303,37 @@ def test_row_argmax_is_torchs_first_maximum(width: int) -> None:
     assert torch.equal(
         cpu_ops.row_argmax(wide[:, 3 : 3 + width]), wide[:, 3 : 3 + width].max(1).indices
     )
+
+
+@pytest.mark.skipif(
+    not PackedInt8Rows.serves_every_row_count(48),
+    reason="the flat int8 layer runs where cpu_ops' int8 kernel serves every row count",
+)
+def test_the_flat_int8_layer_gives_its_modules_values_bit_for_bit() -> None:
+    """Int8DecoderLayer calls the kernels its modules call, in the same order: a prefill, a
+    mixed step and decode steps (its direct paged-decode path) give the same logits as the
+    same layers run through their modules (FusedDecoderLayer), bit for bit."""
+    config = gqa_config()
+    config.intermediate_size = 128
+    config.attn_logit_softcapping = None  # as Gemma 3 270M: the flat layer has no softcap
+    weights = hf_model(config, seed=5).state_dict()
+    backend = CustomBackend(config, weights, CPU, torch.float32, 256, "int8")
+    layers = backend.model.model.layers
+    flat = list(layers)
+    assert all(isinstance(layer, Int8DecoderLayer) for layer in flat)
+    through_modules = [_adopt(FusedDecoderLayer, layer) for layer in flat]
+
+    def logits(run_flat: bool) -> list[torch.Tensor]:
+        for i, layer in enumerate(flat if run_flat else through_modules):
+            layers[i] = layer
+        driver = PagedDriver(backend, shuffle_blocks=1)
+        steps = [
+            {0: [5, 9, 2, 7, 1, 3, 8]},
+            {0: [11], 1: [4, 4, 6, 1]},
+            {0: [13], 1: [2]},
+            {0: [7], 1: [9]},
+        ]
+        return [out for tokens in steps for out in driver.step(tokens)[0].values()]
+
+    for a, b in zip(logits(True), logits(False), strict=True):
+        assert torch.equal(a, b)

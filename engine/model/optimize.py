@@ -29,6 +29,12 @@ from torch import nn
 
 from engine.model import cpu_ops
 from engine.model.gemma import MLP, Attention, DecoderLayer, GemmaForCausalLM, RMSNorm
+from engine.model.int8_kernels import (
+    DynamicInt8Linear,
+    Int8GatedMLP,
+    OneDNNInt8Linear,
+    PackedInt8Rows,
+)
 from engine.model.kernel_select import body_and_head, make_fused_mlp, make_linear, quantize_model
 from engine.model.linear_kernels import BFloat16GatedMLP, BFloat16Linear
 from engine.model.paged_attention import PagedAttentionStep
@@ -153,6 +159,106 @@ class FusedDecoderLayer(DecoderLayer):
         return x
 
 
+class Int8DecoderLayer(FusedDecoderLayer):
+    """A FusedDecoderLayer whose GEMMs all run on cpu_ops' int8 kernel (VNNI without AMX,
+    where the MLP is an Int8GatedMLP), run as one flat sequence of cpu_ops calls on tensors
+    bound once instead of through its modules: the same kernels on the same tensors in the
+    same order, so the same values bit for bit, without a dozen module calls and attribute
+    lookups per layer, which at one decode row cost about as much as the layer's GEMMs.
+    A step whose attention is one paged decode chunk calls the attention kernels directly
+    too; any other step goes through PagedAttentionStep's write and attend, as
+    CpuOpsAttention does. `python -m evals.bench_step` times a decode step."""
+
+    _bound: tuple
+
+    @staticmethod
+    def supports(layer: FusedDecoderLayer) -> bool:
+        """Whether `layer` has only the parts this class runs: Gemma 3's attention (its own
+        K and V, no value norm or logit softcap) over int8 projections that cpu_ops' kernel
+        runs at every row count, an Int8GatedMLP, and no per-layer input or layer scalar."""
+        attention, mlp = layer.self_attn, layer.mlp
+        if not isinstance(attention, CpuOpsAttention) or not isinstance(mlp, Int8GatedMLP):
+            return False
+        spec = attention.spec
+        projections = (attention.qkv_proj, attention.o_proj)
+        return (
+            spec.stores_kv
+            and not spec.k_eq_v
+            and attention.v_norm is None
+            and attention.softcap is None
+            and all(_every_row_int8(p) is not None for p in projections)
+            and not layer.has_per_layer_input
+            and layer.layer_scalar is None
+            and not layer.bf16_activations
+        )
+
+    @classmethod
+    def from_layer(cls, layer: FusedDecoderLayer) -> Int8DecoderLayer:
+        flat = _adopt(cls, layer)
+        attention, mlp = layer.self_attn, layer.mlp
+        assert isinstance(attention, CpuOpsAttention) and isinstance(mlp, Int8GatedMLP)
+        qkv, o_proj = _every_row_int8(attention.qkv_proj), _every_row_int8(attention.o_proj)
+        assert qkv is not None and o_proj is not None
+        spec = attention.spec
+        flat._bound = (
+            layer.input_layernorm.scale,
+            attention.q_norm.scale,
+            attention.k_norm.scale,
+            layer.post_attention_layernorm.scale,
+            layer.pre_feedforward_layernorm.scale,
+            layer.post_feedforward_layernorm.scale,
+            (qkv.tiles, qkv.scales, qkv.compensation, qkv.out_features),
+            (o_proj.tiles, o_proj.scales, o_proj.compensation, o_proj.out_features),
+            (mlp.gate_up.tiles, mlp.gate_up.scales, mlp.gate_up.compensation, mlp.hidden),
+            (mlp.down.tiles, mlp.down.scales, mlp.down.compensation, mlp.down.out_features),
+            (attention.num_heads, spec.num_kv_heads, spec.head_dim, spec.index),
+            (layer.input_layernorm.eps, attention.q_norm.eps, attention.scaling),
+        )
+        return flat
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        step: PagedAttentionStep,
+        per_layer_input: torch.Tensor | None,
+    ) -> torch.Tensor:
+        ops = torch.ops.gemma_cpu
+        in_scale, q_scale, k_scale, post_attn, pre_ff, post_ff, qkv, o_proj, gate_up, down = (
+            self._bound[:10]
+        )
+        (heads, kv_heads, dim, index), (eps, head_eps, scaling) = self._bound[10:]
+        projected = ops.packed_int8_linear(ops.rms_norm(x, in_scale, eps, False), *qkv, None)
+        query = ops.norm_rope(projected, 0, heads, dim, q_scale, cos, sin, head_eps)
+        keys = ops.norm_rope(projected, heads * dim, kv_heads, dim, k_scale, cos, sin, head_eps)
+        start = (heads + kv_heads) * dim
+        values = projected[:, start : start + kv_heads * dim].view(-1, kv_heads, dim)
+        addressing = step.decode_addressing(index)
+        if addressing is not None:
+            key_pool, value_pool, write_slots, key_slots, mask = addressing
+            ops.store_kv(key_pool, value_pool, write_slots, keys, values)
+            out = ops.paged_decode_attention(query, key_pool, value_pool, key_slots, mask, scaling)
+        else:
+            step.write(index, keys, values)
+            out = step.attend(index, query, scaling)
+        attended = ops.packed_int8_linear(out.reshape(x.shape[0], -1), *o_proj, None)
+        hidden = ops.add_rms_norm_(x, attended, post_attn, pre_ff, eps, False)
+        product = ops.packed_int8_gated(hidden, *gate_up)
+        ops.add_rms_norm_(
+            x, ops.packed_int8_linear(product, *down, None), post_ff, None, eps, False
+        )
+        return x
+
+
+def _every_row_int8(module: nn.Module) -> PackedInt8Rows | None:
+    """The cpu_ops int8 kernel state of an int8 linear that runs it at every row count."""
+    if not isinstance(module, (DynamicInt8Linear, OneDNNInt8Linear)):
+        return None
+    packed = module.packed_rows
+    return packed if packed is not None and packed.max_rows is None else None
+
+
 def optimize(model: GemmaForCausalLM, kernel: str, fuse_ops: bool | None = None) -> None:
     """Swap `kernel`'s fast modules into `model` in place (nothing for `exact`). `fuse_ops`: run
     the fused CPU kernels (cpu_ops); None: where they run, a CPU float32 model with cpu_ops."""
@@ -195,7 +301,9 @@ def _fuse_ops(model: GemmaForCausalLM) -> None:
         # The residual add after the attention reads bfloat16 too.
         if isinstance(fused.self_attn.o_proj, BFloat16Linear):
             fused.self_attn.o_proj.bf16_out = bf16
-        layers[i] = fused
+        layers[i] = (
+            Int8DecoderLayer.from_layer(fused) if Int8DecoderLayer.supports(fused) else fused
+        )
 
 
 def _replace(root: nn.Module, kind: type[M], make: Callable[[M], nn.Module]) -> None:

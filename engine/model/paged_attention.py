@@ -128,6 +128,26 @@ class PagedAttentionStep:
         else:
             self.cache.write(layer, plan.write_slots, keys, values)
 
+    def decode_addressing(
+        self, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where this step's attention for storing layer `layer` is one paged decode chunk over
+        every row, with no attention mass to collect: (key pool, value pool, write slots, key
+        slots, mask), what write() and attend() pass to cpu_ops.store_kv and
+        cpu_ops.paged_decode_attention then, for a caller that runs those two itself; else
+        None (write() and attend() handle every other case)."""
+        if not (self.fused and self.paged_decode) or self.masses:
+            return None
+        plan = self._plan_of(layer)
+        chunks = plan.chunks
+        if plan.write_rows is not None or len(chunks) != 1:
+            return None
+        chunk = chunks[0]
+        if chunk.q_len != 1 or chunk.num_seqs != self.num_tokens:
+            return None
+        keys, values = self.cache.keys[layer], self.cache.values[layer]
+        return keys, values, plan.write_slots, chunk.key_slots, chunk.mask
+
     def attend(
         self,
         kv_layer: int,
