@@ -391,6 +391,14 @@ void attend_one(const float* q, const kv_t* keys_at, const kv_t* values_at, int6
         }
       }
       for (int64_t k = 0; k < keys; ++k) {
+        // The score pass asked for the values in L2; this tile's part of a row a few keys
+        // ahead into L1 (two lines: 64 bfloat16, or the first half of 64 float32).
+        if (k + kPrefetchAhead < keys && mask[k + kPrefetchAhead] > kMasked) {
+          const char* ahead = reinterpret_cast<const char*>(
+              values_at + slots[k + kPrefetchAhead] * pool_stride + col);
+          __builtin_prefetch(ahead, 0, 3);
+          __builtin_prefetch(ahead + 64, 0, 3);
+        }
         if (mask[k] <= kMasked) {
           continue;
         }
