@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from engine import async_engine
 from engine.async_engine import AsyncEngine, EngineOverloaded, RequestTooLarge
 from engine.request import FinishReason, Sequence
 from engine.sched.config import SchedulerConfig
@@ -281,6 +282,35 @@ async def test_submitting_together_starts_a_requests_sequences_in_one_step(loade
             for stream in (first, second):
                 assert [out async for out in stream][-1].finished
         assert batches[0].num_seqs == 2  # both prompts in the first step
+        await _wait_until(lambda: not engine.has_work)
+        assert_all_released(engine.kv)
+    finally:
+        await server.shutdown(grace_s=0)
+
+
+async def test_an_idle_engine_gathers_a_burst_of_arrivals_into_one_step(
+    loaded, prompts, monkeypatch
+):
+    """Requests reaching an idle engine each within ARRIVAL_GAP_S of the one before are
+    prefilled in one step; one arriving after a longer gap goes into a later step. (The gap is
+    widened here so that a loaded test machine's timing cannot split the burst.)"""
+    monkeypatch.setattr(async_engine, "ARRIVAL_GAP_S", 0.25)
+    monkeypatch.setattr(async_engine, "ARRIVAL_WAIT_MAX_S", 2.0)
+    engine = new_engine(loaded, max_active_tokens=1024)
+    server = AsyncEngine(lambda: engine)
+    server.start()
+    try:
+        for gap_s, first_step_seqs in [(0.05, 3), (0.6, 1)]:
+            await _wait_until(lambda: not engine.has_work)
+            with recorded_forwards(engine.runner) as batches:
+                streams = []
+                for i in range(3):
+                    request = Sequence(prompts[i], greedy(2), request_id=f"r{i}-{gap_s}")
+                    streams.append(server.submit(request))
+                    await asyncio.sleep(gap_s)
+                for stream in streams:
+                    assert [out async for out in stream][-1].finished
+            assert batches[0].num_seqs == first_step_seqs
         await _wait_until(lambda: not engine.has_work)
         assert_all_released(engine.kv)
     finally:
