@@ -1,9 +1,12 @@
 """Engine steps on the embedded model with the fused CPU kernels (engine/model/cpu_ops.py) and
 with the eager ops they replace, in the default weight mode, timed in turns.
 
-Two engines on one loaded model, taking turns: norms, RoPE and residual adds fused
+Three engines on one loaded model, taking turns: norms, RoPE and residual adds fused
 (engine.model.optimize's fuse_ops) and decode attention read in place from the paged pools
-(the runner's paged_decode), or eager ops with gathered K/V and PyTorch's fused attention. A
+(the runner's paged_decode), as served; the same with each decoder layer run through its
+modules (optimize's flat_layers=False: only where WEIGHTS=auto runs int8 on cpu_ops' kernel,
+which Int8DecoderLayer calls directly; elsewhere the two engines are alike); or eager ops with
+gathered K/V and PyTorch's fused attention. A
 turn sends N requests of `--prompt-tokens` distinct token ids for `--output-tokens` tokens (EOS
 ignored) and times every engine step after the prefill: whole decode steps, scheduler and
 sampler included, as a server runs them, and where a fused step's time goes by phase
@@ -52,7 +55,7 @@ from engine.step_profile import PHASES, StepProfile
 from evals.harness import token_prompt, write_results
 from evals.plots import bar_chart
 
-WAYS = ("eager ops", "fused kernels")
+WAYS = ("eager ops", "fused, layer modules", "fused kernels")
 
 
 def main() -> None:
@@ -77,7 +80,7 @@ def main() -> None:
         kv=KVConfig(enable_prefix_caching=False),
         greedy_head=not args.no_greedy_head,
     )
-    engines = two_engines(config)
+    engines = engines_by_way(config)
     rng = random.Random(0)
     steps: dict[tuple[str, int], list[float]] = {(w, n): [] for w in WAYS for n in args.users}
     phases: dict[tuple[str, int], list[dict]] = {(w, n): [] for w in WAYS for n in args.users}
@@ -86,13 +89,14 @@ def main() -> None:
         run_rounds(engines, args, rng, order, steps, phases)
     ms = {key: 1000 * statistics.median(values) for key, values in steps.items()}
     lines = [
-        "| N | eager ops, ms per decode step | fused kernels | saved | tok/s eager | tok/s fused |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| N | eager ops, ms per decode step | fused, layer modules | fused kernels (as served) "
+        "| saved | tok/s eager | tok/s fused |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n in args.users:
-        eager, fused = ms["eager ops", n], ms["fused kernels", n]
+        eager, modules, fused = (ms[way, n] for way in WAYS)
         lines.append(
-            f"| {n} | {eager:.2f} | {fused:.2f} | {100 * (1 - fused / eager):.1f}% "
+            f"| {n} | {eager:.2f} | {modules:.2f} | {fused:.2f} | {100 * (1 - fused / eager):.1f}% "
             f"| {1000 * n / eager:.1f} | {1000 * n / fused:.1f} |"
         )
     lines += [
@@ -132,21 +136,21 @@ def main() -> None:
     print(f"wrote {path}")
 
 
-def two_engines(config: EngineConfig) -> dict[str, LLMEngine]:
-    """The default weight mode's engine, with the fused CPU kernels and without, on one loaded
-    model."""
+def engines_by_way(config: EngineConfig) -> dict[str, LLMEngine]:
+    """The default weight mode's engine each way (WAYS), on one loaded model."""
     device = torch.device("cpu")
     kernel = kernel_for("auto", "fast", device)
     loaded = load_model(EMBEDDED_MODEL, torch.float32)
     config = config.with_auto_kv_cache_dtype(kernel, torch.float32)
     engines = {}
     for way in WAYS:
+        fused = way != "eager ops"
         backend = CustomBackend(
             loaded.config, loaded.state_dict, device, torch.float32, loaded.max_model_len,
-            kernel, fuse_ops=way == "fused kernels",
+            kernel, fuse_ops=fused, flat_layers=way == "fused kernels",
         )  # fmt: skip
         engines[way] = LLMEngine.for_model(loaded, backend, config)
-        engines[way].runner.paged_decode = way == "fused kernels"
+        engines[way].runner.paged_decode = fused
     return engines
 
 

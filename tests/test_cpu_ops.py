@@ -17,7 +17,6 @@ from engine.model.optimize import (
     FusedDecoderLayer,
     FusedRMSNorm,
     Int8DecoderLayer,
-    _adopt,
 )
 from tests.conftest import needs_bf16
 from tests.paged_driver import PagedDriver, hf_model
@@ -336,20 +335,18 @@ def test_row_argmax_is_torchs_first_maximum(width: int) -> None:
 def test_the_flat_int8_layer_gives_its_modules_values_bit_for_bit() -> None:
     """Int8DecoderLayer calls the kernels its modules call, in the same order: a prefill, a
     mixed step and decode steps (its direct paged-decode path) give the same logits as the
-    same layers run through their modules (FusedDecoderLayer), bit for bit."""
+    same layers run through their modules (FusedDecoderLayer, flat_layers=False), bit for
+    bit."""
     config = gqa_config()
     config.intermediate_size = 128
     config.attn_logit_softcapping = None  # as Gemma 3 270M: the flat layer has no softcap
     weights = hf_model(config, seed=5).state_dict()
-    backend = CustomBackend(config, weights, CPU, torch.float32, 256, "int8")
-    layers = backend.model.model.layers
-    flat = list(layers)
-    assert all(isinstance(layer, Int8DecoderLayer) for layer in flat)
-    through_modules = [_adopt(FusedDecoderLayer, layer) for layer in flat]
+    flat = CustomBackend(config, weights, CPU, torch.float32, 256, "int8")
+    modules = CustomBackend(config, weights, CPU, torch.float32, 256, "int8", flat_layers=False)
+    assert all(type(layer) is Int8DecoderLayer for layer in flat.model.model.layers)
+    assert all(type(layer) is FusedDecoderLayer for layer in modules.model.model.layers)
 
-    def logits(run_flat: bool) -> list[torch.Tensor]:
-        for i, layer in enumerate(flat if run_flat else through_modules):
-            layers[i] = layer
+    def logits(backend: CustomBackend) -> list[torch.Tensor]:
         driver = PagedDriver(backend, shuffle_blocks=1)
         steps = [
             {0: [5, 9, 2, 7, 1, 3, 8]},
@@ -359,5 +356,5 @@ def test_the_flat_int8_layer_gives_its_modules_values_bit_for_bit() -> None:
         ]
         return [out for tokens in steps for out in driver.step(tokens)[0].values()]
 
-    for a, b in zip(logits(True), logits(False), strict=True):
+    for a, b in zip(logits(flat), logits(modules), strict=True):
         assert torch.equal(a, b)

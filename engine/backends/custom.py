@@ -23,11 +23,12 @@ class CustomBackend(InferenceBackend):
         max_model_len: int,
         kernel: str = "exact",
         fuse_ops: bool | None = None,
+        flat_layers: bool = True,
     ) -> None:
         """The reference model (engine.model.gemma) with `kernel`'s fast modules swapped in
-        (engine.model.optimize; `fuse_ops` as there)."""
+        (engine.model.optimize; `fuse_ops` and `flat_layers` as there)."""
         self.model = GemmaForCausalLM.from_state_dict(config, state_dict, device, dtype)
-        optimize(self.model, kernel, fuse_ops)
+        optimize(self.model, kernel, fuse_ops, flat_layers)
         huge_pages.place_module(self.model)  # decode streams the weights: 2 MB pages
         super().__init__(self.model.arch, device, dtype, max_model_len, exact=kernel == "exact")
 

@@ -259,9 +259,13 @@ def _every_row_int8(module: nn.Module) -> PackedInt8Rows | None:
     return packed if packed is not None and packed.max_rows is None else None
 
 
-def optimize(model: GemmaForCausalLM, kernel: str, fuse_ops: bool | None = None) -> None:
+def optimize(
+    model: GemmaForCausalLM, kernel: str, fuse_ops: bool | None = None, flat_layers: bool = True
+) -> None:
     """Swap `kernel`'s fast modules into `model` in place (nothing for `exact`). `fuse_ops`: run
-    the fused CPU kernels (cpu_ops); None: where they run, a CPU float32 model with cpu_ops."""
+    the fused CPU kernels (cpu_ops); None: where they run, a CPU float32 model with cpu_ops.
+    `flat_layers`: fused layers that can run as Int8DecoderLayer do (False: through their
+    modules, to compare)."""
     if kernel == "exact":
         return
     body, head = body_and_head(kernel)
@@ -283,10 +287,10 @@ def optimize(model: GemmaForCausalLM, kernel: str, fuse_ops: bool | None = None)
             weights.device.type == "cpu" and weights.dtype == torch.float32 and cpu_ops.available()
         )
     if fuse_ops:
-        _fuse_ops(model)
+        _fuse_ops(model, flat_layers)
 
 
-def _fuse_ops(model: GemmaForCausalLM) -> None:
+def _fuse_ops(model: GemmaForCausalLM, flat_layers: bool) -> None:
     """The fused CPU kernels in place of the eager ops (see the module doc)."""
     _replace(model.model, RMSNorm, lambda norm: _adopt(FusedRMSNorm, norm))
     _replace(model.model, StackedAttention, lambda attention: _adopt(CpuOpsAttention, attention))
@@ -301,9 +305,8 @@ def _fuse_ops(model: GemmaForCausalLM) -> None:
         # The residual add after the attention reads bfloat16 too.
         if isinstance(fused.self_attn.o_proj, BFloat16Linear):
             fused.self_attn.o_proj.bf16_out = bf16
-        layers[i] = (
-            Int8DecoderLayer.from_layer(fused) if Int8DecoderLayer.supports(fused) else fused
-        )
+        flat = flat_layers and Int8DecoderLayer.supports(fused)
+        layers[i] = Int8DecoderLayer.from_layer(fused) if flat else fused
 
 
 def _replace(root: nn.Module, kind: type[M], make: Callable[[M], nn.Module]) -> None:
