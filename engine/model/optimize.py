@@ -11,7 +11,8 @@ in place by `optimize(model, kernel)`:
   CPU kernels. The same maths summed in another order, so never under NUMERICS=exact. Where a
   layer's GEMMs run in bfloat16 the norms before them hand over bfloat16, and the attention's
   output projection hands bfloat16 to the residual add: the GEMMs round to it anyway, so the
-  values stay the same and the casts go.
+  values stay the same and the casts go. A layer whose GEMMs all run on cpu_ops' int8 kernel
+  runs as one flat sequence of those calls (Int8DecoderLayer).
 
 Each fast module is a subclass of the reference module it replaces, built from it with its
 weights and children shared (`_adopt`), and overrides only the part it computes differently.
@@ -21,6 +22,7 @@ weights and children shared (`_adopt`), and overrides only the part it computes 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -159,6 +161,29 @@ class FusedDecoderLayer(DecoderLayer):
         return x
 
 
+@dataclass(frozen=True, slots=True)
+class Int8LayerTensors:
+    """What Int8DecoderLayer passes to cpu_ops, bound once: each int8 GEMM's arguments (packed
+    weights, scales, compensation, output width), the norms' scales and the layer's sizes."""
+
+    input_norm: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    post_attention_norm: torch.Tensor | None
+    pre_feedforward_norm: torch.Tensor | None
+    post_feedforward_norm: torch.Tensor | None
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+    o_proj: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+    gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+    down: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    head_eps: float
+    scaling: float
+
+
 class Int8DecoderLayer(FusedDecoderLayer):
     """A FusedDecoderLayer whose GEMMs all run on cpu_ops' int8 kernel (VNNI without AMX,
     where the MLP is an Int8GatedMLP), run as one flat sequence of cpu_ops calls on tensors
@@ -167,9 +192,9 @@ class Int8DecoderLayer(FusedDecoderLayer):
     lookups per layer, which at one decode row cost about as much as the layer's GEMMs.
     A step whose attention is one paged decode chunk calls the attention kernels directly
     too; any other step goes through PagedAttentionStep's write and attend, as
-    CpuOpsAttention does. `python -m evals.bench_step` times a decode step."""
+    CpuOpsAttention does. `python -m evals.bench_step` times a decode step both ways."""
 
-    _bound: tuple
+    bound: Int8LayerTensors
 
     @staticmethod
     def supports(layer: FusedDecoderLayer) -> bool:
@@ -199,20 +224,23 @@ class Int8DecoderLayer(FusedDecoderLayer):
         assert isinstance(attention, CpuOpsAttention) and isinstance(mlp, Int8GatedMLP)
         qkv, o_proj = _every_row_int8(attention.qkv_proj), _every_row_int8(attention.o_proj)
         assert qkv is not None and o_proj is not None
-        spec = attention.spec
-        flat._bound = (
-            layer.input_layernorm.scale,
-            attention.q_norm.scale,
-            attention.k_norm.scale,
-            layer.post_attention_layernorm.scale,
-            layer.pre_feedforward_layernorm.scale,
-            layer.post_feedforward_layernorm.scale,
-            (qkv.tiles, qkv.scales, qkv.compensation, qkv.out_features),
-            (o_proj.tiles, o_proj.scales, o_proj.compensation, o_proj.out_features),
-            (mlp.gate_up.tiles, mlp.gate_up.scales, mlp.gate_up.compensation, mlp.hidden),
-            (mlp.down.tiles, mlp.down.scales, mlp.down.compensation, mlp.down.out_features),
-            (attention.num_heads, spec.num_kv_heads, spec.head_dim, spec.index),
-            (layer.input_layernorm.eps, attention.q_norm.eps, attention.scaling),
+        flat.bound = Int8LayerTensors(
+            input_norm=layer.input_layernorm.scale,
+            q_norm=attention.q_norm.scale,
+            k_norm=attention.k_norm.scale,
+            post_attention_norm=layer.post_attention_layernorm.scale,
+            pre_feedforward_norm=layer.pre_feedforward_layernorm.scale,
+            post_feedforward_norm=layer.post_feedforward_layernorm.scale,
+            qkv=(qkv.tiles, qkv.scales, qkv.compensation, qkv.out_features),
+            o_proj=(o_proj.tiles, o_proj.scales, o_proj.compensation, o_proj.out_features),
+            gate_up=(mlp.gate_up.tiles, mlp.gate_up.scales, mlp.gate_up.compensation, mlp.hidden),
+            down=(mlp.down.tiles, mlp.down.scales, mlp.down.compensation, mlp.down.out_features),
+            heads=attention.num_heads,
+            kv_heads=attention.spec.num_kv_heads,
+            head_dim=attention.spec.head_dim,
+            eps=layer.input_layernorm.eps,
+            head_eps=attention.q_norm.eps,
+            scaling=attention.scaling,
         )
         return flat
 
@@ -224,30 +252,31 @@ class Int8DecoderLayer(FusedDecoderLayer):
         step: PagedAttentionStep,
         per_layer_input: torch.Tensor | None,
     ) -> torch.Tensor:
-        ops = torch.ops.gemma_cpu
-        in_scale, q_scale, k_scale, post_attn, pre_ff, post_ff, qkv, o_proj, gate_up, down = (
-            self._bound[:10]
+        ops, t = torch.ops.gemma_cpu, self.bound
+        heads, kv_heads, dim, index = t.heads, t.kv_heads, t.head_dim, self.self_attn.spec.index
+        projected = ops.packed_int8_linear(
+            ops.rms_norm(x, t.input_norm, t.eps, False), *t.qkv, None
         )
-        (heads, kv_heads, dim, index), (eps, head_eps, scaling) = self._bound[10:]
-        projected = ops.packed_int8_linear(ops.rms_norm(x, in_scale, eps, False), *qkv, None)
-        query = ops.norm_rope(projected, 0, heads, dim, q_scale, cos, sin, head_eps)
-        keys = ops.norm_rope(projected, heads * dim, kv_heads, dim, k_scale, cos, sin, head_eps)
+        query = ops.norm_rope(projected, 0, heads, dim, t.q_norm, cos, sin, t.head_eps)
+        keys = ops.norm_rope(projected, heads * dim, kv_heads, dim, t.k_norm, cos, sin, t.head_eps)
         start = (heads + kv_heads) * dim
         values = projected[:, start : start + kv_heads * dim].view(-1, kv_heads, dim)
         addressing = step.decode_addressing(index)
         if addressing is not None:
             key_pool, value_pool, write_slots, key_slots, mask = addressing
             ops.store_kv(key_pool, value_pool, write_slots, keys, values)
-            out = ops.paged_decode_attention(query, key_pool, value_pool, key_slots, mask, scaling)
+            out = ops.paged_decode_attention(
+                query, key_pool, value_pool, key_slots, mask, t.scaling
+            )
         else:
             step.write(index, keys, values)
-            out = step.attend(index, query, scaling)
-        attended = ops.packed_int8_linear(out.reshape(x.shape[0], -1), *o_proj, None)
-        hidden = ops.add_rms_norm_(x, attended, post_attn, pre_ff, eps, False)
-        product = ops.packed_int8_gated(hidden, *gate_up)
-        ops.add_rms_norm_(
-            x, ops.packed_int8_linear(product, *down, None), post_ff, None, eps, False
+            out = step.attend(index, query, t.scaling)
+        attended = ops.packed_int8_linear(out.reshape(x.shape[0], -1), *t.o_proj, None)
+        hidden = ops.add_rms_norm_(
+            x, attended, t.post_attention_norm, t.pre_feedforward_norm, t.eps, False
         )
+        mlp_out = ops.packed_int8_linear(ops.packed_int8_gated(hidden, *t.gate_up), *t.down, None)
+        ops.add_rms_norm_(x, mlp_out, t.post_feedforward_norm, None, t.eps, False)
         return x
 
 
