@@ -135,30 +135,6 @@ def test_paged_decode_attention_against_float64(pool_dtype, heads, kv_heads, hea
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 1, 256), (6, 3, 16)])
-def test_causal_attention_against_float64(pool_dtype, heads, kv_heads, head_dim) -> None:
-    """Query row t over key and value rows 0..t of its own sequence: the softmax-weighted
-    values of float64 arithmetic on the same (rounded) keys and values; rows run longest
-    first on either thread, each as the decode kernel runs one query."""
-    tokens, scale = 45, head_dim**-0.5
-    generator = torch.Generator().manual_seed(heads + head_dim)
-    keys = torch.randn(tokens, kv_heads, head_dim, generator=generator).to(pool_dtype)
-    values = torch.randn(tokens, kv_heads, head_dim, generator=generator).to(pool_dtype)
-    query = torch.randn(tokens, heads, head_dim, generator=generator) * 2
-    out = cpu_ops.causal_attention(query, keys, values, scale)
-
-    expected = torch.empty(tokens, heads, head_dim, dtype=torch.float64)
-    group = heads // kv_heads
-    for t in range(tokens):
-        for h in range(heads):
-            k, v = keys[: t + 1, h // group].double(), values[: t + 1, h // group].double()
-            expected[t, h] = torch.softmax(k @ query[t, h].double() * scale, dim=0) @ v
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
-    with pytest.raises(RuntimeError, match="contiguous"):
-        cpu_ops.causal_attention(query, keys, values.transpose(0, 1), scale)
-
-
 def test_bfloat16_activations_in_and_out() -> None:
     """bfloat16 inputs are widened exactly and bfloat16 outputs are the float32 results rounded
     as PyTorch rounds: the same values as casting around the float32 kernels."""

@@ -156,15 +156,6 @@ def paged_decode_attention(
     )
 
 
-def causal_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Causal attention of one sequence's queries ([T, H, D] float32) over its own keys and
-    values ([T, Hkv, D], float32 or bfloat16, contiguous): row t over rows 0..t, each computed
-    as paged_decode_attention computes one decode query. Returns [T, H, D] float32."""
-    return torch.ops.gemma_cpu.causal_attention(query, keys, values, scale)
-
-
 def store_kv(
     key_pool: torch.Tensor,
     value_pool: torch.Tensor,

@@ -19,11 +19,7 @@ keys are shared across query heads without copies. It sums in another order, so 
 differ from the explicit path's in the last bits (tests/test_paged_attention.py bounds it).
 With `paged_decode` as well (on a CPU where cpu_ops' kernels are built), such a decode chunk
 reads its keys and values in place from the pools (cpu_ops.paged_decode_attention): nothing is
-gathered, and the queries stay float32 over a bfloat16 cache; and a fresh prompt's chunk runs
-cpu_ops.causal_attention over this step's keys, each query row as that decode kernel computes
-one (about twice PyTorch's fused kernel's speed on 128-token prompts, and its queries are not
-rounded to the cache's dtype; `python -m evals.bench_prefill --profile` shows a prefill
-step's attention beside its GEMMs).
+gathered, and the queries stay float32 over a bfloat16 cache.
 
 Masks come from positions, never from slot order: key j is visible to query i when it is
 valid, kpos <= qpos, and, on sliding layers, qpos - kpos < window. The softmax is explicit,
@@ -177,12 +173,9 @@ class PagedAttentionStep:
 
         def run(chunk: Chunk, rows: torch.Tensor) -> torch.Tensor:
             if fresh is not None and chunk.causal_fresh:
-                own_keys, own_values = fresh[0][chunk.rows], fresh[1][chunk.rows]
-                if self.paged_decode:  # cpu_ops is there: its causal kernel
-                    return cpu_ops.causal_attention(
-                        rows, own_keys.contiguous(), own_values.contiguous(), scaling
-                    )
-                return attend_fresh_causal(rows, own_keys, own_values, scaling)
+                return attend_fresh_causal(
+                    rows, fresh[0][chunk.rows], fresh[1][chunk.rows], scaling
+                )
             return attend(chunk, rows, keys, values, scaling, softcap, mass)
 
         if len(chunks) == 1 and chunks[0].num_seqs * chunks[0].q_len == self.num_tokens:

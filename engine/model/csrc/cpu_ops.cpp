@@ -21,7 +21,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <numeric>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -511,63 +510,6 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   return out;
 }
 
-template <typename kv_t>
-void causal_attention_kernel(const float* query, const kv_t* keys, const kv_t* values,
-                             float* out, int64_t tokens, int64_t heads, int64_t kv_heads,
-                             int64_t head_dim, float scale) {
-  const int64_t group = heads / kv_heads;
-  // Row t sees keys 0..t at rows 0..t: the slots are the identity and nothing is masked.
-  std::vector<int64_t> slots(tokens);
-  std::iota(slots.begin(), slots.end(), 0);
-  const std::vector<float> open(tokens, 0.f);
-  // Longest rows first, one (row, KV head) at a time to whichever thread is free: the rows'
-  // work grows with t, so equal shares up front would leave one thread the long end.
-  parallel_chunks(tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * tokens), row(head_dim);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = tokens - 1 - task / kv_heads;
-      const int64_t kv_head = task % kv_heads;
-      const int64_t first = (t * heads + kv_head * group) * head_dim;
-      attend_one(query + first, keys + kv_head * head_dim, values + kv_head * head_dim,
-                 kv_heads * head_dim, slots.data(), open.data(), t + 1, group, head_dim, scale,
-                 scores.data(), row.data(), out + first);
-    }
-  });
-}
-
-// Causal attention of one fresh sequence over its own keys, in place of a fused kernel's
-// prefill: query row t ([T, H, D] float32) attends over key and value rows 0..t ([T, Hkv, D],
-// float32 or bfloat16, contiguous), each row computed as paged_decode_attention computes a
-// decode query over t + 1 keys (queries kept float32, bfloat16 widened exactly). Returns
-// [T, H, D] float32.
-at::Tensor causal_attention(const at::Tensor& query, const at::Tensor& keys,
-                            const at::Tensor& values, double scale) {
-  check_float(query, "query");
-  TORCH_CHECK(query.dim() == 3 && keys.dim() == 3, "query [T, H, D] and keys [T, Hkv, D]");
-  TORCH_CHECK(keys.sizes() == values.sizes() && keys.scalar_type() == values.scalar_type() &&
-                  keys.is_contiguous() && values.is_contiguous(),
-              "the keys and values must be contiguous and alike");
-  const int64_t tokens = query.size(0), heads = query.size(1), head_dim = query.size(2);
-  const int64_t kv_heads = keys.size(1);
-  TORCH_CHECK(keys.size(0) == tokens && keys.size(2) == head_dim && kv_heads > 0 &&
-                  heads % kv_heads == 0,
-              "the query and key sizes do not match");
-  const at::Tensor q = query.contiguous();
-  at::Tensor out = at::empty({tokens, heads, head_dim}, query.options());
-  const float sc = static_cast<float>(scale);
-  if (keys.scalar_type() == at::kFloat) {
-    causal_attention_kernel(q.data_ptr<float>(), keys.data_ptr<float>(),
-                            values.data_ptr<float>(), out.data_ptr<float>(), tokens, heads,
-                            kv_heads, head_dim, sc);
-  } else {
-    TORCH_CHECK(keys.scalar_type() == at::kBFloat16, "keys must be float32 or bfloat16");
-    causal_attention_kernel(q.data_ptr<float>(), keys.data_ptr<c10::BFloat16>(),
-                            values.data_ptr<c10::BFloat16>(), out.data_ptr<float>(), tokens,
-                            heads, kv_heads, head_dim, sc);
-  }
-  return out;
-}
-
 // A layer's new keys and values written into its pools at `slots`: pool[slots[n]] = rows[n],
 // rounded to the pool's dtype to nearest even as a cast rounds, so the pools hold what
 // index_copy_ of the cast rows would, in one op instead of four. keys and values [N, Hkv, D]
@@ -1020,7 +962,6 @@ TORCH_LIBRARY(gemma_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor key_pool, Tensor value_pool, Tensor slots, "
       "Tensor mask, float scale) -> Tensor");
-  m.def("causal_attention(Tensor query, Tensor keys, Tensor values, float scale) -> Tensor");
   m.def(
       "store_kv(Tensor(a!) key_pool, Tensor(b!) value_pool, Tensor slots, Tensor keys, "
       "Tensor values) -> ()");
@@ -1038,7 +979,6 @@ TORCH_LIBRARY_IMPL(gemma_cpu, CPU, m) {
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("norm_rope", &norm_rope);
   m.impl("paged_decode_attention", &paged_decode_attention);
-  m.impl("causal_attention", &causal_attention);
   m.impl("store_kv", &store_kv);
   m.impl("gumbel_argmax", &gumbel_argmax);
   m.impl("scatter_columns", &scatter_columns);
