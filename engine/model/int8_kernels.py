@@ -119,7 +119,7 @@ class DynamicInt8Linear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         integers, scales = quantize_int8_weight(weight)
         self.packed_rows = PackedInt8Rows.where_supported(integers, scales) if packed else None
-        if _serves_every_row_count(self.packed_rows):
+        if serves_every_row(self.packed_rows):
             self.slices: list[torch.ScriptObject] = []
             return
         # A large matrix (the LM head) in slices of output columns, as OneDNNInt8Linear: fbgemm
@@ -183,7 +183,7 @@ class OneDNNInt8Linear(nn.Module):
         self.packed_rows = (
             PackedInt8Rows.where_supported(integers, self.weight_scales) if packed else None
         )
-        if _serves_every_row_count(self.packed_rows):
+        if serves_every_row(self.packed_rows):
             self.slices: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
             return
         self.slices = [
@@ -299,8 +299,9 @@ def _fbgemm_prepack(integers: torch.Tensor, scales: torch.Tensor) -> torch.Scrip
     return torch.ops.quantized.linear_prepack(quantized, None)
 
 
-def _serves_every_row_count(packed_rows: PackedInt8Rows | None) -> bool:
-    """Whether cpu_ops' kernel runs every call, so the module's library never does."""
+def serves_every_row(packed_rows: PackedInt8Rows | None) -> bool:
+    """Whether cpu_ops' kernel runs every call of a module with these packed_rows, so the
+    module's library never does."""
     return packed_rows is not None and packed_rows.max_rows is None
 
 

@@ -36,6 +36,7 @@ from engine.model.int8_kernels import (
     Int8GatedMLP,
     OneDNNInt8Linear,
     PackedInt8Rows,
+    serves_every_row,
 )
 from engine.model.kernel_select import body_and_head, make_fused_mlp, make_linear, quantize_model
 from engine.model.linear_kernels import BFloat16GatedMLP, BFloat16Linear
@@ -284,8 +285,7 @@ def _every_row_int8(module: nn.Module) -> PackedInt8Rows | None:
     """The cpu_ops int8 kernel state of an int8 linear that runs it at every row count."""
     if not isinstance(module, (DynamicInt8Linear, OneDNNInt8Linear)):
         return None
-    packed = module.packed_rows
-    return packed if packed is not None and packed.max_rows is None else None
+    return module.packed_rows if serves_every_row(module.packed_rows) else None
 
 
 def optimize(
