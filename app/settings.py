@@ -44,6 +44,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     MAX_INFLIGHT_PER_TENANT: int | None = None  # accepted, unfinished requests; None: no limit
     MAX_INFLIGHT_PER_SESSION: int | None = None
     MAX_NUM_BATCHED_TOKENS: int = 2048  # per-step token budget (prefill chunks + decodes)
+    # No further prompt's chunk joins a step whose prefill chunks hold this many tokens; 0: off.
+    PREFILL_GROUP_TOKENS: Annotated[int, msgspec.Meta(ge=0)] = 512
     # priority: the most urgent request first (a request's `priority`, lower first), then FCFS.
     SCHEDULING_POLICY: Literal["fcfs", "vtc", "priority"] = "vtc"
     # VTC's service weights (Sheng et al., OSDI 2024): w_p per prompt token computed, w_q per
@@ -122,6 +124,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
                 policy=self.SCHEDULING_POLICY,
                 max_num_seqs=self.MAX_BATCH_SIZE,
                 max_num_batched_tokens=self.MAX_NUM_BATCHED_TOKENS,
+                prefill_group_tokens=self.PREFILL_GROUP_TOKENS or None,
                 max_queue_len=self.MAX_QUEUE_LEN,
                 max_inflight_per_tenant=self.MAX_INFLIGHT_PER_TENANT,
                 max_inflight_per_session=self.MAX_INFLIGHT_PER_SESSION,

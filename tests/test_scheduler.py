@@ -90,6 +90,48 @@ def test_max_num_seqs_bounds_a_step_and_freed_capacity_is_refilled_at_once():
     assert plan(run_step(sched)) == [(b.seq_id, 2, 1, True), (c.seq_id, 0, 2, True)]
 
 
+def test_a_burst_of_prompts_is_prefilled_a_group_at_a_time():
+    """No further prompt joins a step whose prefill chunks hold prefill_group_tokens: the
+    first two of four 6-token prompts (12 >= 10) get their first token a step before the
+    others, who then join the first two's decodes."""
+    sched = make_scheduler(
+        policy="fcfs", max_num_batched_tokens=32, prefill_group_tokens=10, max_num_seqs=8
+    )
+    a, b, c, d = (make_seq(6, max_tokens=3) for _ in range(4))
+    for seq in (a, b, c, d):
+        sched.add(seq)
+    assert plan(run_step(sched)) == [(a.seq_id, 0, 6, True), (b.seq_id, 0, 6, True)]
+    assert plan(run_step(sched)) == [
+        (a.seq_id, 6, 1, True),
+        (b.seq_id, 6, 1, True),
+        (c.seq_id, 0, 6, True),
+        (d.seq_id, 0, 6, True),
+    ]
+
+
+def test_the_first_prompt_of_a_step_may_take_the_whole_budget_past_the_group():
+    """The group limits who joins a step, not a prompt's chunk: a 30-token prompt goes in one
+    chunk of the 32-token budget, and the prompt behind it waits for the next step."""
+    sched = make_scheduler(
+        policy="fcfs", max_num_batched_tokens=32, prefill_group_tokens=10, max_num_seqs=8
+    )
+    a, b = make_seq(30, max_tokens=2), make_seq(4, max_tokens=2)
+    sched.add(a)
+    sched.add(b)
+    assert plan(run_step(sched)) == [(a.seq_id, 0, 30, True)]
+    assert plan(run_step(sched)) == [(a.seq_id, 30, 1, True), (b.seq_id, 0, 4, True)]
+
+
+def test_without_a_prefill_group_the_budget_alone_decides():
+    sched = make_scheduler(
+        policy="fcfs", max_num_batched_tokens=32, prefill_group_tokens=None, max_num_seqs=8
+    )
+    seqs = [make_seq(6, max_tokens=2) for _ in range(4)]
+    for seq in seqs:
+        sched.add(seq)
+    assert plan(run_step(sched)) == [(s.seq_id, 0, 6, True) for s in seqs]
+
+
 def test_decodes_beyond_the_token_budget_wait_for_the_next_step():
     sched = make_scheduler(policy="fcfs", max_num_batched_tokens=2, max_num_seqs=4)
     a, b, c = (make_seq(1, max_tokens=3, arrival_time=t) for t in (1.0, 2.0, 3.0))
@@ -335,5 +377,7 @@ def test_config_validation():
         make_scheduler(max_num_seqs=0)
     with pytest.raises(ValueError):
         make_scheduler(max_inflight_per_tenant=0)
+    with pytest.raises(ValueError):
+        make_scheduler(prefill_group_tokens=0)
     with pytest.raises(ValueError):
         make_scheduler(policy="lottery")

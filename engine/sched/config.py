@@ -22,6 +22,13 @@ class SchedulerConfig:
     # prompt's GEMMs run at more rows per call, and a window-bound prefill in fewer chunks
     # (`python -m evals.bench_peers`, its long-prompt point).
     max_num_batched_tokens: int = 2048
+    # Once a step's prefill chunks hold this many tokens, no further sequence's chunk joins the
+    # step (the first may still take the whole budget); None: the budget alone decides. A
+    # burst of short prompts is then prefilled a few at a time: the first get their first
+    # token after a step of this size, not after the whole burst's, at the same rate of
+    # prefill tokens (GEMMs of 512 rows run as fast per row as of 2048), and a closed loop's
+    # clients stop finishing, and arriving, in lockstep. `python -m evals.bench_peers`.
+    prefill_group_tokens: int | None = 512
     max_queue_len: int = 256  # waiting requests before add() answers OVERLOADED (MAX_QUEUE_LEN)
     max_inflight_per_tenant: int | None = None  # accepted, unfinished requests; None: no limit
     max_inflight_per_session: int | None = None
@@ -37,7 +44,12 @@ class SchedulerConfig:
         for name in ("max_num_batched_tokens", "max_queue_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_num_seqs", "max_inflight_per_tenant", "max_inflight_per_session"):
+        for name in (
+            "max_num_seqs",
+            "max_inflight_per_tenant",
+            "max_inflight_per_session",
+            "prefill_group_tokens",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")

@@ -56,7 +56,8 @@ class Scheduler:
          prefilling and, while fewer than max_num_seqs run, the policy's pick from the
          waiting queue (admitted with its first chunk), in the order _next_prefill gives.
          When the policy's pick does not fit the KV cache, admission stops for this step, so
-         a large request is not starved by smaller ones.
+         a large request is not starved by smaller ones. Once the step's prefill chunks hold
+         prefill_group_tokens, no further sequence joins it.
     A long prompt is thus prefilled over several steps and never delays anyone's next token.
     A seeded request's last prompt token gets a step of its own (_prefill_chunk).
 
@@ -186,13 +187,20 @@ class Scheduler:
                 if decode.seq_id in pending:  # else preempted earlier in this step
                     budget -= self._run_chunk(decode, 1, pending, out)
             admitting = True  # until the policy's pick does not fit the KV cache
-            while budget > 0 and (seq := self._next_prefill(pending, admitting)) is not None:
+            group = self.config.prefill_group_tokens
+            prefilled = 0
+            while (
+                budget > 0
+                and (group is None or prefilled < group)
+                and (seq := self._next_prefill(pending, admitting)) is not None
+            ):
                 if seq.status is SequenceStatus.RUNNING:
                     num_new = self._run_chunk(seq, self._prefill_chunk(seq, budget), pending, out)
                 else:
                     num_new = self._admit(seq, budget, out)
                     admitting = num_new > 0
                 budget -= num_new
+                prefilled += num_new
                 if num_new and self._remaining(seq) - num_new <= 1:
                     self.policy.on_prefilled(seq)  # no prefill chunk left, decodes from here
             out.block_copies = self.kv.take_block_copies()
