@@ -108,6 +108,7 @@ OUR_MODES: dict[str, dict[str, str]] = {
     "gemma-serve int8": {"WEIGHTS": "int8"},
     "gemma-serve fp32 fast": {"WEIGHTS": "fp32", "NUMERICS": "fast"},
     "gemma-serve fp32 exact": {"WEIGHTS": "fp32", "NUMERICS": "exact"},
+    "gemma-serve, no prefill groups": {"PREFILL_GROUP_TOKENS": "0"},
 }
 # The CPU features that decide which kernels each engine can use.
 CPU_FLAGS = (
