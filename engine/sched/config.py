@@ -25,9 +25,9 @@ class SchedulerConfig:
     # Once a step's prefill chunks hold this many tokens, no further sequence's chunk joins the
     # step (the first may still take the whole budget); None: the budget alone decides. A
     # burst of short prompts is then prefilled a few at a time: the first get their first
-    # token after a step of this size, not after the whole burst's, at the same rate of
-    # prefill tokens (GEMMs of 512 rows run as fast per row as of 2048), and a closed loop's
-    # clients stop finishing, and arriving, in lockstep. `python -m evals.bench_peers`.
+    # token after a step of this size, not after the whole burst's, and a closed loop's
+    # clients stop finishing, and arriving, in lockstep. bench_peers' mode "gemma-serve, no
+    # prefill groups" compares both ways (docs/performance.md, "A burst of prompts").
     prefill_group_tokens: int | None = 512
     max_queue_len: int = 256  # waiting requests before add() answers OVERLOADED (MAX_QUEUE_LEN)
     max_inflight_per_tenant: int | None = None  # accepted, unfinished requests; None: no limit
