@@ -343,10 +343,11 @@ class AsyncEngine:
 
     def _gather_arrivals(self) -> None:
         """Work just reached an idle engine: wait while more keeps arriving, each request
-        within ARRIVAL_GAP_S of the one before (ARRIVAL_WAIT_MAX_S in all), so that a burst
-        is prefilled in one step. Otherwise its first request is prefilled alone and the
-        rest wait for that step: a closed loop's clients, all finished by one step, send
-        again within a few milliseconds of each other. A lone request waits ARRIVAL_GAP_S."""
+        within ARRIVAL_GAP_S of the one before (ARRIVAL_WAIT_MAX_S in all), so that the
+        first step prefills as much of a burst as the scheduler lets one step take (its
+        prefill group). Otherwise its first request is prefilled alone and the rest wait for
+        that step: a closed loop's clients, all finished by one step, send again within a few
+        milliseconds of each other. A lone request waits ARRIVAL_GAP_S."""
         deadline = time.monotonic() + ARRIVAL_WAIT_MAX_S
         while (left := deadline - time.monotonic()) > 0:
             if not self._wake.wait(min(ARRIVAL_GAP_S, left)):
