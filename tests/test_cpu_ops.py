@@ -105,10 +105,13 @@ def test_norm_rope_equals_norm_then_rotate_on_a_projection(tokens: int) -> None:
     ("heads", "kv_heads", "head_dim"),
     [(4, 1, 64), (8, 2, 128), (6, 2, 64), (2, 2, 48)],  # vector tiles, and the loops' remainders
 )
-def test_paged_decode_attention_against_float64(pool_dtype, heads, kv_heads, head_dim) -> None:
+@pytest.mark.parametrize(("seqs", "keys"), [(5, 37), (1, 203)])  # tasks whole, and shared
+def test_paged_decode_attention_against_float64(
+    pool_dtype, heads, kv_heads, head_dim, seqs, keys
+) -> None:
     """Keys and values read at scattered slots, padding and window-masked columns skipped: the
     softmax-weighted values of float64 arithmetic on the same (rounded) keys and values."""
-    seqs, keys, slots_total, scale = 5, 37, 400, head_dim**-0.5
+    slots_total, scale = 400, head_dim**-0.5
     generator = torch.Generator().manual_seed(heads * head_dim)
     key_pool = torch.randn(slots_total, kv_heads, head_dim, generator=generator).to(pool_dtype)
     value_pool = torch.randn(slots_total, kv_heads, head_dim, generator=generator).to(pool_dtype)
@@ -133,6 +136,40 @@ def test_paged_decode_attention_against_float64(pool_dtype, heads, kv_heads, hea
             weights = torch.softmax(k @ query[b, h].double() * scale, dim=0)
             expected[b, h] = weights @ v
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 1, 256), (6, 2, 64), (2, 2, 48)])
+def test_paged_decode_attention_is_the_same_shared_between_threads(
+    pool_dtype, heads, kv_heads, head_dim
+) -> None:
+    """With fewer (sequence, KV head) pairs than threads, every thread takes a share of each
+    pair's keys and output columns: the result must be the one thread's, bit for bit, so a
+    decode row's attention does not depend on how many others share its step."""
+    keys, slots_total = 300, 1000
+    generator = torch.Generator().manual_seed(head_dim)
+    key_pool = torch.randn(slots_total, kv_heads, head_dim, generator=generator).to(pool_dtype)
+    value_pool = torch.randn(slots_total, kv_heads, head_dim, generator=generator).to(pool_dtype)
+    query = torch.randn(1, heads, head_dim, generator=generator) * 2
+    slots = torch.randperm(slots_total, generator=generator)[:keys].view(1, keys)
+    visible = torch.rand(1, keys, generator=generator) > 0.2
+    visible[:, 0] = True
+    mask = torch.zeros(1, keys).masked_fill(~visible, torch.finfo(torch.float32).min)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = cpu_ops.paged_decode_attention(query, key_pool, value_pool, slots, mask, 0.1)
+        torch.set_num_threads(4)
+        shared = cpu_ops.paged_decode_attention(query, key_pool, value_pool, slots, mask, 0.1)
+        # Five sequences: the pairs go whole to the threads, one each.
+        many = cpu_ops.paged_decode_attention(
+            query.expand(5, -1, -1), key_pool, value_pool, slots.expand(5, -1),
+            mask.expand(5, -1), 0.1,
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(shared, alone)
+    assert torch.equal(many, alone.expand(5, -1, -1))
 
 
 def test_bfloat16_activations_in_and_out() -> None:

@@ -281,23 +281,42 @@ constexpr float kMasked = -1e30f;
 constexpr int64_t kPrefetchAhead = 4;
 
 // One (sequence, KV head) of decode attention: its `group` query heads q ([group, D]), keys and
-// values at `slots` in the pools (row stride `pool_stride`), additive `mask` over the keys.
-// `scores` ([group, keys]) and `row` ([D]) are scratch; writes out ([group, D]).
+// values at `slots` in the pools (row stride `pool_stride`), additive `mask` over its `keys`
+// keys; `scores` ([group, keys]) and `inverse_total` ([group]) are its scratch, out
+// ([group, D]) its result. The three passes below each take a part of it, so that one task's
+// work can be shared between threads (decode_attention_kernel).
 template <typename kv_t>
-void attend_one(const float* q, const kv_t* keys_at, const kv_t* values_at, int64_t pool_stride,
-                const int64_t* slots, const float* mask, int64_t keys, int64_t group,
-                int64_t head_dim, float scale, float* scores, float* row, float* out) {
-  const int64_t d = head_dim;
+struct DecodeTask {
+  const float* q;
+  const kv_t* keys_at;
+  const kv_t* values_at;
+  int64_t pool_stride;
+  const int64_t* slots;
+  const float* mask;
+  int64_t keys, group, head_dim;
+  float scale;
+  float* scores;
+  float* inverse_total;
+  float* out;
+};
+
+// The scores of keys [begin, end) for every query head of the task. `row` ([D]) is scratch.
+template <typename kv_t>
+void score_keys(const DecodeTask<kv_t>& t, int64_t begin, int64_t end, float* row) {
+  const int64_t d = t.head_dim, keys = t.keys, group = t.group;
+  const float* q = t.q;
+  const float* mask = t.mask;
+  float* scores = t.scores;
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(kv_t));
-  // Scores. With AVX-512, four query heads share each load of a key, in four independent
+  // With AVX-512, four query heads share each load of a key, in four independent
   // accumulators (one dependent chain per dot product would leave the FMA units waiting).
-  for (int64_t k = 0; k < keys; ++k) {
+  for (int64_t k = begin; k < end; ++k) {
     // Keys and values sit at scattered slots, which the hardware does not prefetch: ask for
     // the key a few rows ahead, and for its value (read after the softmax) into L2.
     if (k + kPrefetchAhead < keys && mask[k + kPrefetchAhead] > kMasked) {
-      const int64_t ahead = slots[k + kPrefetchAhead] * pool_stride;
-      const char* key_row = reinterpret_cast<const char*>(keys_at + ahead);
-      const char* value_row = reinterpret_cast<const char*>(values_at + ahead);
+      const int64_t ahead = t.slots[k + kPrefetchAhead] * t.pool_stride;
+      const char* key_row = reinterpret_cast<const char*>(t.keys_at + ahead);
+      const char* value_row = reinterpret_cast<const char*>(t.values_at + ahead);
       for (int64_t line = 0; line < row_bytes; line += 64) {
         __builtin_prefetch(key_row + line, 0, 3);
         __builtin_prefetch(value_row + line, 0, 2);
@@ -306,7 +325,7 @@ void attend_one(const float* q, const kv_t* keys_at, const kv_t* values_at, int6
     if (mask[k] <= kMasked) {
       continue;
     }
-    const kv_t* key = keys_at + slots[k] * pool_stride;
+    const kv_t* key = t.keys_at + t.slots[k] * t.pool_stride;
     int64_t g = 0;
 #if defined(__AVX512F__)
     for (; g + 4 <= group && d % 16 == 0; g += 4) {
@@ -319,10 +338,10 @@ void attend_one(const float* q, const kv_t* keys_at, const kv_t* values_at, int6
         a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q + (g + 2) * d + i), kv, a2);
         a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q + (g + 3) * d + i), kv, a3);
       }
-      scores[g * keys + k] = _mm512_reduce_add_ps(a0) * scale + mask[k];
-      scores[(g + 1) * keys + k] = _mm512_reduce_add_ps(a1) * scale + mask[k];
-      scores[(g + 2) * keys + k] = _mm512_reduce_add_ps(a2) * scale + mask[k];
-      scores[(g + 3) * keys + k] = _mm512_reduce_add_ps(a3) * scale + mask[k];
+      scores[g * keys + k] = _mm512_reduce_add_ps(a0) * t.scale + mask[k];
+      scores[(g + 1) * keys + k] = _mm512_reduce_add_ps(a1) * t.scale + mask[k];
+      scores[(g + 2) * keys + k] = _mm512_reduce_add_ps(a2) * t.scale + mask[k];
+      scores[(g + 3) * keys + k] = _mm512_reduce_add_ps(a3) * t.scale + mask[k];
     }
 #endif
     if (g < group) {
@@ -334,14 +353,20 @@ void attend_one(const float* q, const kv_t* keys_at, const kv_t* values_at, int6
         for (int64_t i = 0; i < d; ++i) {
           dot += qg[i] * row[i];
         }
-        scores[g * keys + k] = dot * scale + mask[k];
+        scores[g * keys + k] = dot * t.scale + mask[k];
       }
     }
   }
-  // Softmax numerators in place; 1 / their sum per query head scales the output.
-  std::vector<float> inverse_total(group);
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores + g * keys;
+}
+
+// The task's scores turned into softmax numerators in place, and 1 / their sum per query head
+// into inverse_total (weigh_values scales the output by it).
+template <typename kv_t>
+void softmax_scores(const DecodeTask<kv_t>& t) {
+  const int64_t keys = t.keys;
+  const float* mask = t.mask;
+  for (int64_t g = 0; g < t.group; ++g) {
+    float* sg = t.scores + g * keys;
     float top = kMasked;
     int64_t k = 0;
 #if defined(__AVX512F__)
@@ -376,14 +401,25 @@ void attend_one(const float* q, const kv_t* keys_at, const kv_t* values_at, int6
       sg[k] = p;
       total += p;
     }
-    inverse_total[g] = 1.f / total;
+    t.inverse_total[g] = 1.f / total;
   }
-  // Values. With AVX-512, 64 output columns of four query heads stay in 16 registers while
-  // every key's values stream past, so nothing is stored until the tile is done.
+}
+
+// The task's output columns [begin, end): the softmax-weighted values, over inverse_total.
+// Each column sums the keys in the same order whatever the range, so the bits do not depend
+// on how the columns are split. `row` ([D]) is scratch.
+template <typename kv_t>
+void weigh_values(const DecodeTask<kv_t>& t, int64_t begin, int64_t end, float* row) {
+  const int64_t d = t.head_dim, keys = t.keys, group = t.group, width = end - begin;
+  const float* mask = t.mask;
+  const int64_t* slots = t.slots;
+  const float* scores = t.scores;
+  // With AVX-512, 64 output columns of four query heads stay in 16 registers while every
+  // key's values stream past, so nothing is stored until the tile is done.
   int64_t g = 0;
 #if defined(__AVX512F__)
-  for (; g + 4 <= group && d % 64 == 0; g += 4) {
-    for (int64_t col = 0; col < d; col += 64) {
+  for (; g + 4 <= group && width % 64 == 0; g += 4) {
+    for (int64_t col = begin; col < end; col += 64) {
       __m512 acc[4][4];
       for (auto& head : acc) {
         for (auto& part : head) {
@@ -395,78 +431,136 @@ void attend_one(const float* q, const kv_t* keys_at, const kv_t* values_at, int6
         // ahead into L1 (two lines: 64 bfloat16, or the first half of 64 float32).
         if (k + kPrefetchAhead < keys && mask[k + kPrefetchAhead] > kMasked) {
           const char* ahead = reinterpret_cast<const char*>(
-              values_at + slots[k + kPrefetchAhead] * pool_stride + col);
+              t.values_at + slots[k + kPrefetchAhead] * t.pool_stride + col);
           __builtin_prefetch(ahead, 0, 3);
           __builtin_prefetch(ahead + 64, 0, 3);
         }
         if (mask[k] <= kMasked) {
           continue;
         }
-        const kv_t* value = values_at + slots[k] * pool_stride + col;
+        const kv_t* value = t.values_at + slots[k] * t.pool_stride + col;
         const __m512 v[4] = {load16(value), load16(value + 16), load16(value + 32),
                              load16(value + 48)};
         for (int64_t h = 0; h < 4; ++h) {
           const __m512 p = _mm512_set1_ps(scores[(g + h) * keys + k]);
-          for (int64_t t = 0; t < 4; ++t) {
-            acc[h][t] = _mm512_fmadd_ps(p, v[t], acc[h][t]);
+          for (int64_t part = 0; part < 4; ++part) {
+            acc[h][part] = _mm512_fmadd_ps(p, v[part], acc[h][part]);
           }
         }
       }
       for (int64_t h = 0; h < 4; ++h) {
-        const __m512 inverse = _mm512_set1_ps(inverse_total[g + h]);
-        for (int64_t t = 0; t < 4; ++t) {
-          _mm512_storeu_ps(out + (g + h) * d + col + t * 16, _mm512_mul_ps(acc[h][t], inverse));
+        const __m512 inverse = _mm512_set1_ps(t.inverse_total[g + h]);
+        for (int64_t part = 0; part < 4; ++part) {
+          _mm512_storeu_ps(t.out + (g + h) * d + col + part * 16,
+                           _mm512_mul_ps(acc[h][part], inverse));
         }
       }
     }
   }
 #endif
+  for (int64_t h = g; h < group; ++h) {
+    std::fill(t.out + h * d + begin, t.out + h * d + end, 0.f);
+  }
   if (g < group) {
-    float* rest = out + g * d;
-    std::fill(rest, out + group * d, 0.f);
     for (int64_t k = 0; k < keys; ++k) {
       if (mask[k] <= kMasked) {
         continue;
       }
-      load_row(values_at + slots[k] * pool_stride, row, d);
+      load_row(t.values_at + slots[k] * t.pool_stride + begin, row, width);
       for (int64_t h = g; h < group; ++h) {
         const float p = scores[h * keys + k];
-        float* o = out + h * d;
+        float* o = t.out + h * d + begin;
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) {
+        for (int64_t i = 0; i < width; ++i) {
           o[i] += p * row[i];
         }
       }
     }
     for (int64_t h = g; h < group; ++h) {
-      float* o = out + h * d;
-      const float inverse = inverse_total[h];
+      float* o = t.out + h * d + begin;
+      const float inverse = t.inverse_total[h];
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) {
+      for (int64_t i = 0; i < width; ++i) {
         o[i] *= inverse;
       }
     }
   }
 }
 
+// Keys below which one decode task is never shared between threads: the two barriers of the
+// shared passes cost more than the work they would split.
+constexpr int64_t kShareMinKeys = 64;
+
 template <typename kv_t>
 void decode_attention_kernel(const float* query, const kv_t* key_pool, const kv_t* value_pool,
                              const int64_t* slots, const float* mask, float* out, int64_t seqs,
                              int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t keys,
                              float scale) {
-  const int64_t group = heads / kv_heads;
-  parallel_chunks(seqs * kv_heads, balanced_chunk(seqs * kv_heads), [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * keys), row(head_dim);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / kv_heads;
-      const int64_t kv_head = task % kv_heads;
-      // The query heads sharing this KV head are consecutive: kv_head * group + g.
-      const int64_t first = (seq * heads + kv_head * group) * head_dim;
-      attend_one(query + first, key_pool + kv_head * head_dim, value_pool + kv_head * head_dim,
-                 kv_heads * head_dim, slots + seq * keys, mask + seq * keys, keys, group,
-                 head_dim, scale, scores.data(), row.data(), out + first);
+  const int64_t group = heads / kv_heads, tasks = seqs * kv_heads;
+  // Task `task`'s pointers into the batch, with its scratch.
+  auto task_at = [&](int64_t task, float* scores, float* inverse_total) {
+    const int64_t seq = task / kv_heads, kv_head = task % kv_heads;
+    // The query heads sharing this KV head are consecutive: kv_head * group + g.
+    const int64_t first = (seq * heads + kv_head * group) * head_dim;
+    DecodeTask<kv_t> t;
+    t.q = query + first;
+    t.keys_at = key_pool + kv_head * head_dim;
+    t.values_at = value_pool + kv_head * head_dim;
+    t.pool_stride = kv_heads * head_dim;
+    t.slots = slots + seq * keys;
+    t.mask = mask + seq * keys;
+    t.keys = keys;
+    t.group = group;
+    t.head_dim = head_dim;
+    t.scale = scale;
+    t.scores = scores;
+    t.inverse_total = inverse_total;
+    t.out = out + first;
+    return t;
+  };
+  const int64_t threads = omp_get_max_threads();
+  if (tasks >= threads || keys < kShareMinKeys || omp_in_parallel()) {
+    // A task per thread at a time, each whole.
+    parallel_chunks(tasks, balanced_chunk(tasks), [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(group * keys), inverse_total(group), row(head_dim);
+      for (int64_t task = begin; task < end; ++task) {
+        const DecodeTask<kv_t> t = task_at(task, scores.data(), inverse_total.data());
+        score_keys(t, 0, keys, row.data());
+        softmax_scores(t);
+        weigh_values(t, 0, head_dim, row.data());
+      }
+    });
+    return;
+  }
+  // Fewer tasks than threads (a decode step of one sequence): every thread scores a share of
+  // each task's keys, then weighs a share of its output columns. Each score and each column
+  // is computed as the whole-task path computes it, so the result is the same bit for bit.
+  std::vector<float> scores(tasks * group * keys), inverse_total(tasks * group);
+  const int64_t block = std::max<int64_t>(16, (keys + 4 * threads - 1) / (4 * threads));
+  const int64_t blocks = (keys + block - 1) / block;
+  const int64_t tile = head_dim % 64 == 0 ? 64 : head_dim;
+  const int64_t tiles = head_dim / tile;
+  auto shared = [&](int64_t task) {
+    return task_at(task, scores.data() + task * group * keys, inverse_total.data() + task * group);
+  };
+#pragma omp parallel
+  {
+    std::vector<float> row(head_dim);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < tasks * blocks; ++i) {
+      const int64_t first = (i % blocks) * block;
+      score_keys(shared(i / blocks), first, std::min(keys, first + block), row.data());
     }
-  });
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < tasks; ++task) {
+      softmax_scores(shared(task));
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < tasks * tiles; ++i) {
+      const int64_t first = (i % tiles) * tile;
+      weigh_values(shared(i / tiles), first, first + tile, row.data());
+    }
+  }
 }
 
 // Decode attention read in place from the paged pools, with no gathered copy of anyone's K/V:
