@@ -40,7 +40,6 @@ from evals import fairness_http
 from evals.harness import (
     RESULTS,
     closed_loop,
-    free_port,
     make_prompt,
     running_process,
     summarize,
@@ -52,16 +51,40 @@ MODEL = "gemma-3-270m"
 
 
 def free_port_run(count: int) -> int:
-    """A free port p such that p + 1 ... p + count - 1 are free too (the replicas' ops ports)."""
+    """A free port p such that p + 1 ... p + count - 1 are free too (the replicas' ops ports),
+    drawn below the kernel's ephemeral port range. The replicas bind their ports many seconds
+    after this check, and meanwhile Ray's own outgoing connections take source ports from that
+    range: one of them landed on a replica's ops port once, and the replica never served."""
+    top = _ephemeral_ports_start() - count
+    if top <= _LOWEST_PORT:  # an ephemeral range starting this low leaves nowhere else to draw
+        top = 65536 - count
+    rng = random.Random()
     while True:
-        port = free_port()
+        port = rng.randrange(_LOWEST_PORT, top)
+        if all(_bindable(port + offset) for offset in range(count)):
+            return port
+
+
+# Ports below this are left to others: Ray gives its workers 10002-19999 by default.
+_LOWEST_PORT = 20_000
+
+
+def _ephemeral_ports_start() -> int:
+    """The first port the kernel hands out as a connection's source port (Linux's default
+    32768 where it does not say)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
         try:
-            for offset in range(1, count):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port + offset))
+            sock.bind(("127.0.0.1", port))
         except OSError:
-            continue
-        return port
+            return False
+        return True
 
 
 @contextmanager

@@ -487,7 +487,7 @@ void weigh_values(const DecodeTask<kv_t>& t, int64_t begin, int64_t end, float* 
   }
 }
 
-// Keys below which one decode task is never shared between threads: the two barriers of the
+// Keys below which one decode task is never shared between threads: the barriers between the
 // shared passes cost more than the work they would split.
 constexpr int64_t kShareMinKeys = 64;
 
@@ -533,8 +533,10 @@ void decode_attention_kernel(const float* query, const kv_t* key_pool, const kv_
     return;
   }
   // Fewer tasks than threads (a decode step of one sequence): every thread scores a share of
-  // each task's keys, then weighs a share of its output columns. Each score and each column
-  // is computed as the whole-task path computes it, so the result is the same bit for bit.
+  // each task's keys, then weighs a share of its output columns, each block and tile handed to
+  // whichever thread comes free (as parallel_chunks hands out runs, for a thread the event loop
+  // displaces). Each score and each column is computed as the whole-task path computes it, so
+  // the result is the same bit for bit whoever takes which.
   std::vector<float> scores(tasks * group * keys), inverse_total(tasks * group);
   const int64_t block = std::max<int64_t>(16, (keys + 4 * threads - 1) / (4 * threads));
   const int64_t blocks = (keys + block - 1) / block;
@@ -546,16 +548,16 @@ void decode_attention_kernel(const float* query, const kv_t* key_pool, const kv_
 #pragma omp parallel
   {
     std::vector<float> row(head_dim);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < tasks * blocks; ++i) {
       const int64_t first = (i % blocks) * block;
       score_keys(shared(i / blocks), first, std::min(keys, first + block), row.data());
     }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       softmax_scores(shared(task));
     }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < tasks * tiles; ++i) {
       const int64_t first = (i % tiles) * tile;
       weigh_values(shared(i / tiles), first, first + tile, row.data());
