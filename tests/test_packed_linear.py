@@ -131,6 +131,13 @@ def int8_reference(x: torch.Tensor, integers: torch.Tensor, scales: torch.Tensor
 INT8_ROWS = [*ROWS, 64, 70, 250]
 
 
+def random_int8_weight(outputs: int, inputs: int, seed: int) -> torch.Tensor:
+    """Integers over the whole range the int8 kernels take on this CPU (int8_weight_max)."""
+    top = int8_weight_max()
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(-top, top + 1, (outputs, inputs), dtype=torch.int8, generator=generator)
+
+
 @needs_packed(torch.int8)
 @pytest.mark.parametrize("outputs, inputs", SHAPES)
 @pytest.mark.parametrize("rows", INT8_ROWS)
@@ -138,8 +145,7 @@ def test_int8_equals_its_integers(outputs: int, inputs: int, rows: int) -> None:
     """The int32 sums are exact (the uint8 offset taken back by the compensation), and the
     rescale is the reference's float32 operations in the same order: equal bit for bit, the
     first column 100x larger than the rest as Gemma's first token is."""
-    integers = torch.randint(-127, 128, (outputs, inputs), dtype=torch.int8,
-                             generator=torch.Generator().manual_seed(outputs))  # fmt: skip
+    integers = random_int8_weight(outputs, inputs, seed=outputs)
     scales = random(outputs, seed=1).abs() * 1e-3
     x = random(rows, inputs, seed=rows)
     x[:, 0] *= 100
@@ -147,6 +153,38 @@ def test_int8_equals_its_integers(outputs: int, inputs: int, rows: int) -> None:
     packed = cpu_ops.pack_linear_weight(integers)
     out = cpu_ops.packed_int8_linear(x, packed, scales, compensation, outputs)
     assert torch.equal(out, int8_reference(x, integers, scales))
+
+
+@needs_packed(torch.int8)
+@pytest.mark.parametrize("sign", [1, -1])
+def test_int8_sums_at_the_extremes_are_exact(sign: int) -> None:
+    """Every product at its largest: each input quantized to +-127 (uint8 255 or 1) against
+    weights all at +-int8_weight_max. Without VNNI the kernel sums pairs of products in int16
+    (2 x 255 x 63 fits; 8-bit weights would not): the sums must still be the exact ones."""
+    top, inputs, outputs = int8_weight_max(), 640, 128
+    integers = torch.full((outputs, inputs), top, dtype=torch.int8)
+    integers[1::2] = -top
+    x = torch.full((3, inputs), float(sign))
+    x[1, ::2] = -sign  # half the inputs at the other extreme
+    x[2, 1::3] *= 1e-9  # a third of them near zero
+    scales = torch.full((outputs,), 1e-3)
+    compensation = (integers.sum(dim=1, dtype=torch.int32) * 128).int()
+    packed = cpu_ops.pack_linear_weight(integers)
+    out = cpu_ops.packed_int8_linear(x, packed, scales, compensation, outputs)
+    assert torch.equal(out, int8_reference(x, integers, scales))
+    expected_sums = torch.tensor([127 * top * inputs * sign, 0, 127 * top * (inputs - 213) * sign])
+    assert torch.equal(out[:, 0], expected_sums.float() * scales[0])
+
+
+@needs_packed(torch.int8)
+@pytest.mark.skipif(int8_weight_max() == 127, reason="the CPU has VNNI: 8-bit weights are exact")
+def test_int8_weights_past_seven_bits_are_refused_without_vnni() -> None:
+    """Without VNNI a weight past int8_weight_max could saturate the kernel's int16 pair sums
+    and give wrong outputs silently: packing it is an error instead."""
+    integers = torch.zeros(64, 8, dtype=torch.int8)
+    integers[3, 5] = -128
+    with pytest.raises(RuntimeError, match="must lie in"):
+        cpu_ops.pack_linear_weight(integers)
 
 
 @needs_packed(torch.int8)
@@ -361,8 +399,7 @@ def test_int8_argmax_is_the_first_maximum_of_the_outputs(
 ) -> None:
     """packed_int8_linear_argmax finds, per row, the first maximum of the outputs the
     reference computes by hand, without the kernel writing them."""
-    integers = torch.randint(-127, 128, (outputs, inputs), dtype=torch.int8,
-                             generator=torch.Generator().manual_seed(outputs))  # fmt: skip
+    integers = random_int8_weight(outputs, inputs, seed=outputs)
     scales = random(outputs, seed=2).abs() * 1e-3
     x = random(rows, inputs, seed=rows + 100)
     compensation = (integers.sum(dim=1, dtype=torch.int32) * 128).int()
@@ -380,8 +417,7 @@ def test_int8_argmax_takes_the_first_of_tied_outputs_and_of_nans(rows: int) -> N
     first), and the first of them wins, as torch.max picks. A NaN scale makes its output NaN
     in every row, which counts as the largest: the first NaN wins."""
     outputs, inputs = 1000, 128
-    integers = torch.randint(-127, 128, (outputs, inputs), dtype=torch.int8,
-                             generator=torch.Generator().manual_seed(3))  # fmt: skip
+    integers = random_int8_weight(outputs, inputs, seed=3)
     integers[[40, 300, 999]] = integers[5].clone()
     scales = torch.full((outputs,), 1e-3)
     x = integers[5].float().repeat(rows, 1) * torch.arange(1, rows + 1)[:, None]

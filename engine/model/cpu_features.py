@@ -20,8 +20,8 @@ def has_bf16() -> bool:
 @cache
 def has_vnni() -> bool:
     """Whether this CPU multiplies int8 with VNNI (vpdpbusd, int32 sums). Without it the int8
-    GEMMs of fbgemm and oneDNN sum pairs of u8 x s8 products in int16 (vpmaddubsw), which
-    saturates once activations and weights are both large."""
+    GEMMs of fbgemm and oneDNN, and cpu_ops' AVX2 kernel, sum pairs of u8 x s8 products in int16
+    (vpmaddubsw), which saturates once activations and weights are both large."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:

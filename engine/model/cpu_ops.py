@@ -171,7 +171,8 @@ def store_kv(
 
 def packed_linear_supported(dtype: torch.dtype) -> bool:
     """Whether the kernels were built with packed_linear for `dtype` weights on this CPU
-    (float32 needs AVX-512, bfloat16 AVX512-BF16, int8 AVX512-VNNI)."""
+    (float32 needs AVX-512, bfloat16 AVX512-BF16, int8 AVX512-VNNI, or AVX2 where the CPU
+    has no VNNI at all and the weights are 7-bit, cpu_features.int8_weight_max)."""
     return available() and bool(torch.ops.gemma_cpu.packed_linear_supported(dtype))
 
 

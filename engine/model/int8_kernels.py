@@ -1,10 +1,11 @@
 """The int8 linear kernels (CPU): weights int8 with one scale per output channel, activations
 quantized per call with one scale per row, integer products rescaled to float32.
 
-cpu_ops' own kernel (PackedInt8Rows) runs every row count on CPUs with AVX512-VNNI and no AMX,
-and decode-sized batches on CPUs with AMX tiles. A library runs the rest: oneDNN in
-OneDNNInt8Linear (the faster one on CPUs with AMX tiles, see engine.model.kernel_select), fbgemm
-in DynamicInt8Linear (and on CPUs with neither, everything)."""
+cpu_ops' own kernel (PackedInt8Rows) runs every row count on CPUs without AMX (AVX512-VNNI, or
+AVX2 on a CPU with no VNNI at all), and decode-sized batches on CPUs with AMX tiles. A library
+runs the rest: oneDNN in OneDNNInt8Linear (the faster one on CPUs with AMX tiles, see
+engine.model.kernel_select), fbgemm in DynamicInt8Linear (on a CPU with AVX-VNNI and no AVX-512,
+everything)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def quantize_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 class PackedInt8Rows:
-    """cpu_ops' int8 kernel over a layer's int8 weights: every row count on VNNI, up to
+    """cpu_ops' int8 kernel over a layer's int8 weights: every row count without AMX, up to
     AMX_INT8_MAX_ROWS where it has AMX tiles (oneDNN's blocking wins past it). Without AMX it
     outruns fbgemm from one row to prefill sizes (`python -m evals.bench_kernels`). Each row is
     quantized at 127 over its largest magnitude; the sums are exact and the rescale the same at
@@ -71,7 +72,7 @@ class PackedInt8Rows:
     @staticmethod
     def serves_every_row_count(in_features: int) -> bool:
         """Whether the kernel runs every row count for weights of `in_features` inputs: built
-        with VNNI, and no AMX tiles for them (those stop at AMX_INT8_MAX_ROWS)."""
+        for this CPU, and no AMX tiles for them (those stop at AMX_INT8_MAX_ROWS)."""
         return cpu_ops.packed_linear_supported(torch.int8) and not cpu_ops.packed_amx(
             torch.int8, in_features
         )
@@ -101,12 +102,12 @@ class DynamicInt8Linear(nn.Module):
     other row, and a request's result would depend on who else is in the batch. Instead each row
     is divided by its largest magnitude and quantized at the fixed range [-1, 1] (uint8, scale
     1/127, zero point 128): every row gets its own scale and the same quantization alone or in
-    any batch, the integers cpu_ops' kernel takes. Where the CPU has VNNI that kernel runs
-    every call (PackedInt8Rows; on AMX CPUs decode-sized ones) and fbgemm's copy of the weights
-    is never made; `packed=False` runs fbgemm alone, to compare. The two rescale in another
+    any batch, the integers cpu_ops' kernel takes. Where cpu_ops has that kernel it runs every
+    call (PackedInt8Rows; on AMX CPUs decode-sized ones) and fbgemm's copy of the weights is
+    never made; `packed=False` runs fbgemm alone, to compare. The two rescale in another
     order, so their last bits can differ. The row's magnitude multiplies the output back.
-    Weights use 7 bits on CPUs without VNNI, where 8 would saturate fbgemm's int16 pair sums
-    (int8_weight_max).
+    Weights use 7 bits on CPUs without VNNI, where 8 would saturate the int16 pair sums of
+    fbgemm's and cpu_ops' AVX2 kernels (int8_weight_max).
     """
 
     # The activations' uint8 quantization once each row lies in [-1, 1]: 127 levels each side
@@ -236,7 +237,7 @@ class OneDNNInt8Linear(nn.Module):
 
 
 class Int8GatedMLP(nn.Module):
-    """Gemma's GeGLU MLP, down(gelu_tanh(gate(x)) * up(x)), in int8 on cpu_ops' VNNI kernel
+    """Gemma's GeGLU MLP, down(gelu_tanh(gate(x)) * up(x)), in int8 on cpu_ops' int8 kernel
     with the gelu and the product fused into the gate/up GEMM: gate and up are packed in
     alternate tiles of 64 outputs, so each pair of tiles' sums is rescaled, activated and
     multiplied while in cache, and only the [rows, hidden] product is written. The weights are
@@ -260,8 +261,8 @@ class Int8GatedMLP(nn.Module):
     def where_supported(
         gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
     ) -> Int8GatedMLP | None:
-        """The module where cpu_ops' int8 kernel runs every row count for both its GEMMs (VNNI
-        without AMX tiles), as the int8 linears then run it; else None."""
+        """The module where cpu_ops' int8 kernel runs every row count for both its GEMMs (no
+        AMX tiles), as the int8 linears then run it; else None."""
         if not all(PackedInt8Rows.serves_every_row_count(w.shape[1]) for w in (gate, down)):
             return None
         return Int8GatedMLP(gate, up, down)

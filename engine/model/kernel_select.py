@@ -13,10 +13,10 @@ Ways to run `x @ W.T`, chosen by timing the kernels PyTorch offers on the CPU at
   fused into its GEMMs in bfloat16. Approximate: `evals/quality.py` measures what it costs.
 - `int8`: dynamic quantization (CPU only). Weights are int8 with one scale per output channel;
   each call quantizes the activations to int8 with one scale per row, multiplies in integers,
-  and rescales to float32. cpu_ops' own kernel runs every call on CPUs with AVX512-VNNI and
-  no AMX, and up to AMX_INT8_MAX_ROWS rows on AMX tiles, past which oneDNN runs; fbgemm runs
-  it on CPUs with neither (each measured the fastest there). Approximate: `evals/quality.py`
-  measures what it costs.
+  and rescales to float32. cpu_ops' own kernel runs every call on CPUs without AMX (its
+  AVX512-VNNI form, or its AVX2 form where the CPU has no VNNI), and up to AMX_INT8_MAX_ROWS
+  rows on AMX tiles, past which oneDNN runs; fbgemm runs it on CPUs with AVX-VNNI alone (each
+  measured the fastest there). Approximate: `evals/quality.py` measures what it costs.
 - `bf16-int8head`: `bf16` for the decoder layers, `int8` for the LM head (`body_and_head`).
 
 `quantize_model` swaps a model's `nn.Linear` modules for the chosen kernel in place. On CUDA and
@@ -87,7 +87,7 @@ def body_and_head(kernel: str) -> tuple[str, str]:
 def int8_linear_class() -> type[nn.Module]:
     """The int8 module for this CPU: oneDNN's where it has AMX tiles (measured there, see
     OneDNNInt8Linear), fbgemm's elsewhere; both run cpu_ops' kernel where it serves the rows,
-    every call on VNNI without AMX (docs/kernels.md, "The default")."""
+    every call without AMX (docs/kernels.md, "The default")."""
     return OneDNNInt8Linear if has_amx() else DynamicInt8Linear
 
 
@@ -108,7 +108,7 @@ def make_fused_mlp(
     kernel: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
 ) -> nn.Module | None:
     """Gemma's whole MLP as one `kernel` module where that kernel has one (bf16:
-    BFloat16GatedMLP; int8 where cpu_ops' VNNI kernel runs every call: Int8GatedMLP), else
+    BFloat16GatedMLP; int8 where cpu_ops' int8 kernel runs every call: Int8GatedMLP), else
     None: its linears then run one by one."""
     if kernel == "bf16":
         return BFloat16GatedMLP(gate, up, down)

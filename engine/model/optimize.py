@@ -186,7 +186,7 @@ class Int8LayerTensors:
 
 
 class Int8DecoderLayer(FusedDecoderLayer):
-    """A FusedDecoderLayer whose GEMMs all run on cpu_ops' int8 kernel (VNNI without AMX,
+    """A FusedDecoderLayer whose GEMMs all run on cpu_ops' int8 kernel (CPUs without AMX,
     where the MLP is an Int8GatedMLP), run as one flat sequence of cpu_ops calls on tensors
     bound once instead of through its modules: the same kernels on the same tensors in the
     same order, so the same values bit for bit, without a dozen module calls and attribute

@@ -4,9 +4,11 @@
 // takes to read the weights once. The packed layout makes that read one sequential stream: tile
 // t holds outputs [64 t, 64 t + 64) input by input (float32: [I][64]; bfloat16: input pairs,
 // [I / 2][64][2], the order AVX512-BF16's dot product takes; int8: fours, [I / 4][64][4], the
-// order AVX512-VNNI's takes), so every load brings 64 outputs' weights for the same inputs,
-// multiplied by those inputs broadcast from each row, with no horizontal sums. A tile's outputs stay in registers (up to 6 rows x 4 vectors); more rows run
-// over the tile again in blocks of 6 (see tile_all_rows).
+// order AVX512-VNNI's takes, and AVX2's vpmaddubsw and vpmaddwd where the CPU has no VNNI), so
+// every load brings 64 outputs' weights for the same inputs, multiplied by those inputs
+// broadcast from each row, with no horizontal sums. A tile's outputs stay in registers (AVX-512:
+// up to 6 rows x 4 vectors; AVX2: 1 row x 8 vectors); more rows run over the tile again in
+// blocks of that many (see tile_all_rows).
 //
 // Sums run in another order than oneDNN's; bfloat16 products are summed in float32 as oneDNN's
 // are. Each output is rounded to the output dtype once, as oneDNN's GEMMs round theirs.
@@ -17,7 +19,7 @@
 
 #include <c10/util/BFloat16.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
@@ -51,7 +53,18 @@ constexpr bool kBFloat16Kernel = true;
 #else
 constexpr bool kBFloat16Kernel = false;
 #endif
+// The int8 kernel: AVX512-VNNI's vpdpbusd where the CPU has it; without any VNNI, AVX2's
+// vpmaddubsw and vpmaddwd, exact there because the weights are 7-bit (int8_weight_max in
+// cpu_features.py). A CPU with AVX-VNNI alone gets 8-bit weights, which would saturate
+// vpmaddubsw's int16 pair sums: it has no int8 kernel.
 #if defined(__AVX512VNNI__)
+#define GEMMA_INT8_KERNEL 1
+#elif defined(__AVX2__) && !defined(__AVXVNNI__)
+#define GEMMA_INT8_KERNEL 1
+#define GEMMA_INT8_PAIRS 1
+constexpr int kPairWeightMax = 63;  // |w| <= 63: 2 * 255 * 63 < 2^15, no int16 saturation
+#endif
+#if defined(GEMMA_INT8_KERNEL)
 constexpr bool kInt8Kernel = true;
 #else
 constexpr bool kInt8Kernel = false;
@@ -70,9 +83,11 @@ int64_t packed_inputs(const at::Tensor& packed) {
 
 // The multiply-add of one weight type, for tile_sums: x_t is the unit of x broadcast to every
 // lane (one float32 input, a pair of bfloat16 inputs or four uint8 ones in a 32-bit word), one
-// unit of weights is four 16-lane vectors (64 outputs), and acc adds to each output lane.
+// unit of weights is kVectors vectors of kLanes outputs (64 in all), acc adds to each output
+// lane, and kRows rows of x share each load of the weights in registers.
 #if defined(__AVX512F__)
 struct Float32Units {  // vfmadd: 16 float32 products per instruction
+  static constexpr int kVectors = 4, kLanes = 16, kRows = kMaxRows;
   using w_t = float;
   using x_t = float;
   using acc_t = __m512;
@@ -90,6 +105,7 @@ struct Float32Units {  // vfmadd: 16 float32 products per instruction
 
 #if defined(__AVX512BF16__)
 struct BFloat16Units {  // vdpbf16ps: 16 outputs x a pair of inputs, summed in float32
+  static constexpr int kVectors = 4, kLanes = 16, kRows = kMaxRows;
   using w_t = c10::BFloat16;
   using x_t = uint32_t;
   using acc_t = __m512;
@@ -107,6 +123,7 @@ struct BFloat16Units {  // vdpbf16ps: 16 outputs x a pair of inputs, summed in f
 
 #if defined(__AVX512VNNI__)
 struct Int8Units {  // vpdpbusd: 16 outputs x four uint8 x int8 products, summed in int32
+  static constexpr int kVectors = 4, kLanes = 16, kRows = kMaxRows;
   using w_t = int8_t;
   using x_t = uint32_t;
   using acc_t = __m512i;
@@ -120,9 +137,30 @@ struct Int8Units {  // vpdpbusd: 16 outputs x four uint8 x int8 products, summed
   }
   static void store(sum_t* sums, acc_t acc) { _mm512_storeu_si512(sums, acc); }
 };
+#elif defined(GEMMA_INT8_PAIRS)
+// vpmaddubsw sums two uint8 x int8 products per output into int16 (exact for 7-bit weights),
+// vpmaddwd the two pairs of a unit into int32: 8 outputs x four products per two instructions.
+// The 16 accumulators of a second row would take every AVX2 register: one row per block.
+struct Int8Units {
+  static constexpr int kVectors = 8, kLanes = 8, kRows = 1;
+  using w_t = int8_t;
+  using x_t = uint32_t;
+  using acc_t = __m256i;
+  using sum_t = int32_t;
+  static acc_t zero() { return _mm256_setzero_si256(); }
+  static acc_t load(const w_t* w) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)); }
+  static acc_t broadcast(x_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+  static acc_t madd(acc_t acc, acc_t x, acc_t w) {
+    const __m256i pairs = _mm256_maddubs_epi16(x, w);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+  static void store(sum_t* sums, acc_t acc) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums), acc);
+  }
+};
 #endif
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 // sums[r][0..64) = x[r] . w over `count` units of x, for R rows of x (row stride x_stride):
 // w = [count][64 outputs][unit], from the tile's start. Each unit of weights is loaded once and
 // multiplied by every row's broadcast unit of x. Prefetches `prefetch_lines` cache lines from
@@ -131,10 +169,11 @@ template <int R, typename Units>
 void tile_sums(const typename Units::x_t* x, int64_t x_stride, const typename Units::w_t* w,
                int64_t count, typename Units::sum_t* sums, const char* prefetch,
                int64_t prefetch_lines) {
-  constexpr int64_t lane_elements = 64 / sizeof(typename Units::w_t);  // per 16-lane vector
-  typename Units::acc_t acc[R][4];
+  constexpr int V = Units::kVectors;
+  constexpr int64_t vector_elements = kTile * (4 / sizeof(typename Units::w_t)) / V;
+  typename Units::acc_t acc[R][V];
   for (int r = 0; r < R; ++r) {
-    for (int b = 0; b < 4; ++b) {
+    for (int b = 0; b < V; ++b) {
       acc[r][b] = Units::zero();
     }
   }
@@ -142,25 +181,40 @@ void tile_sums(const typename Units::x_t* x, int64_t x_stride, const typename Un
     for (int64_t line = 0; line < prefetch_lines; ++line) {
       _mm_prefetch(prefetch + (i * prefetch_lines + line) * 64, _MM_HINT_T1);
     }
-    const typename Units::w_t* wi = w + i * 4 * lane_elements;
-    const auto w0 = Units::load(wi), w1 = Units::load(wi + lane_elements);
-    const auto w2 = Units::load(wi + 2 * lane_elements), w3 = Units::load(wi + 3 * lane_elements);
+    const typename Units::w_t* wi = w + i * V * vector_elements;
+    decltype(Units::load(wi)) wv[V];
+    for (int b = 0; b < V; ++b) {
+      wv[b] = Units::load(wi + b * vector_elements);
+    }
     for (int r = 0; r < R; ++r) {
       const auto xv = Units::broadcast(x[r * x_stride + i]);
-      acc[r][0] = Units::madd(acc[r][0], xv, w0);
-      acc[r][1] = Units::madd(acc[r][1], xv, w1);
-      acc[r][2] = Units::madd(acc[r][2], xv, w2);
-      acc[r][3] = Units::madd(acc[r][3], xv, w3);
+      for (int b = 0; b < V; ++b) {
+        acc[r][b] = Units::madd(acc[r][b], xv, wv[b]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int b = 0; b < 4; ++b) {
-      Units::store(sums + r * kTile + 16 * b, acc[r][b]);
+    for (int b = 0; b < V; ++b) {
+      Units::store(sums + r * kTile + Units::kLanes * b, acc[r][b]);
     }
   }
 }
 
-// Every row's sums for one tile, rows in blocks of up to kMaxRows. The first block reads the
+// tile_sums for `rows` rows (1 to R), instantiated for each count up to R.
+template <typename Units, int R = Units::kRows>
+void tile_rows(int64_t rows, const typename Units::x_t* x, int64_t x_stride,
+               const typename Units::w_t* w, int64_t count, typename Units::sum_t* sums,
+               const char* prefetch, int64_t prefetch_lines) {
+  if constexpr (R > 1) {
+    if (rows < R) {
+      tile_rows<Units, R - 1>(rows, x, x_stride, w, count, sums, prefetch, prefetch_lines);
+      return;
+    }
+  }
+  tile_sums<R, Units>(x, x_stride, w, count, sums, prefetch, prefetch_lines);
+}
+
+// Every row's sums for one tile, rows in blocks of up to Units::kRows. The first block reads the
 // tile's weights from memory; the others read them again from the L2 cache (a tile is at most
 // a few hundred KB) and meanwhile prefetch `next`, the tile this thread runs after this one, so
 // memory stays busy while they compute. With a single block (decode sizes) the weights are
@@ -171,12 +225,13 @@ template <typename Units, typename x_t = typename Units::x_t, typename w_t = typ
 void tile_all_rows(const x_t* x, int64_t rows, int64_t x_stride, const w_t* tile, int64_t count,
                    const w_t* next, typename Units::sum_t* sums) {
   constexpr int64_t step = kTile * (4 / static_cast<int64_t>(sizeof(w_t)));
-  const int64_t blocks = (rows + kMaxRows - 1) / kMaxRows;
+  constexpr int64_t block_rows = Units::kRows;
+  const int64_t blocks = (rows + block_rows - 1) / block_rows;
   const int64_t lines = count * step * static_cast<int64_t>(sizeof(w_t)) / 64;
   const int64_t per_block = blocks > 1 && next != nullptr ? (lines + blocks - 2) / (blocks - 1) : 0;
   const int64_t per_unit = (per_block + count - 1) / count;
   for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t r = b * kMaxRows;
+    const int64_t r = b * block_rows;
     const x_t* xr = x + r * x_stride;
     typename Units::sum_t* s = sums + r * kTile;
     const int64_t first_line = (b - 1) * per_block;
@@ -186,14 +241,7 @@ void tile_all_rows(const x_t* x, int64_t rows, int64_t x_stride, const w_t* tile
       n = step * static_cast<int64_t>(sizeof(w_t)) / 64;
       prefetch = reinterpret_cast<const char*>(tile) + kStreamAhead;
     }
-    switch (std::min(kMaxRows, rows - r)) {
-      case 1: tile_sums<1, Units>(xr, x_stride, tile, count, s, prefetch, n); break;
-      case 2: tile_sums<2, Units>(xr, x_stride, tile, count, s, prefetch, n); break;
-      case 3: tile_sums<3, Units>(xr, x_stride, tile, count, s, prefetch, n); break;
-      case 4: tile_sums<4, Units>(xr, x_stride, tile, count, s, prefetch, n); break;
-      case 5: tile_sums<5, Units>(xr, x_stride, tile, count, s, prefetch, n); break;
-      default: tile_sums<6, Units>(xr, x_stride, tile, count, s, prefetch, n); break;
-    }
+    tile_rows<Units>(std::min(block_rows, rows - r), xr, x_stride, tile, count, s, prefetch, n);
   }
 }
 
@@ -218,7 +266,7 @@ Pairs bfloat16_pairs(const at::Tensor& x, int64_t pairs) {
   return {padded, reinterpret_cast<const uint32_t*>(padded.data_ptr()), pairs};
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 // For each run of `group` consecutive tiles of the packed weights w ([tiles][count] units of
 // x per tile), in parallel: every row's sums ([group][rows][64], float32 or int32) handed to
 // finish(first tile, sums).
@@ -568,6 +616,12 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
                    weight.scalar_type() == at::kChar),
               "weight must be a float32, bfloat16 or int8 CPU matrix");
   const at::Tensor w = weight.contiguous();
+#if defined(GEMMA_INT8_PAIRS)
+  TORCH_CHECK(w.scalar_type() != at::kChar || w.numel() == 0 ||
+                  w.to(at::kShort).abs().max().item<int>() <= kPairWeightMax,
+              "int8 weights must lie in [-", kPairWeightMax, ", ", kPairWeightMax,
+              "] on a CPU without VNNI (cpu_features.int8_weight_max)");
+#endif
   const int64_t outputs = w.size(0), inputs = w.size(1);
   const int64_t tiles = (outputs + kTile - 1) / kTile;
   const int64_t group = inputs_per_unit(w.scalar_type());
@@ -665,9 +719,10 @@ void check_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
               "scales (float32) and compensation (int32) need one value per output");
 }
 
-#if defined(__AVX512VNNI__)
+#if defined(GEMMA_INT8_KERNEL)
 // One row of quantize_rows: its largest magnitude (at least 1e-12), and q[i] = nearbyint(x[i] *
 // 127 / that) + 128 for i < width. cvtps_epi32 rounds in the current mode, as nearbyint does.
+#if defined(__AVX512VNNI__)
 float quantize_row(const float* x, int64_t width, uint8_t* q) {
   __m512 top = _mm512_setzero_ps();
   int64_t i = 0;
@@ -687,6 +742,46 @@ float quantize_row(const float* x, int64_t width, uint8_t* q) {
   _mm512_mask_cvtepi32_storeu_epi8(q + i, tail, _mm512_add_epi32(v, zero_point));
   return row_max;
 }
+#else
+// The same on 8 lanes; each int32 keeps its low byte, as the AVX-512 form's truncating store.
+float quantize_row(const float* x, int64_t width, uint8_t* q) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MAX));
+  __m256 top = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= width; i += 8) {  // max(|x|, top): top where |x| is NaN, as std::max
+    top = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), magnitude), top);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, top);
+  float largest = 0.f;
+  for (int lane = 0; lane < 8; ++lane) {
+    largest = lanes[lane] > largest ? lanes[lane] : largest;
+  }
+  for (; i < width; ++i) {
+    const float a = std::fabs(x[i]);
+    largest = a > largest ? a : largest;
+  }
+  const float row_max = std::max(largest, 1e-12f);
+  const __m256 scale = _mm256_set1_ps(127.f / row_max);
+  const __m256i zero_point = _mm256_set1_epi32(128);
+  // Byte 0 of each int32 lane: four per 128-bit half, then the halves' words side by side.
+  const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                             -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                             -1, -1, -1, -1);
+  const __m256i words = _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1);
+  for (i = 0; i + 8 <= width; i += 8) {
+    const __m256i v = _mm256_add_epi32(
+        _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), scale)), zero_point);
+    const __m256i packed = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(v, low_bytes), words);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm256_castsi256_si128(packed));
+  }
+  for (; i < width; ++i) {
+    const int32_t v = _mm_cvtss_si32(_mm_set_ss(x[i] * (127.f / row_max)));
+    q[i] = static_cast<uint8_t>(v + 128);
+  }
+  return row_max;
+}
+#endif
 
 Int8Rows quantize_rows(const at::Tensor& x, int64_t count) {
   const int64_t rows = x.size(0), width = x.size(1);
@@ -739,6 +834,7 @@ void int8_tile_sums(const Int8Rows& x, int64_t rows, const at::Tensor& packed, i
                        [&](int64_t t, const int32_t* sums) { block(t, 0, rows, sums); });
 }
 
+#if defined(__AVX512VNNI__)
 // The outputs of the `valid` lanes of 16 sums: float(sum - compensation) * scale * the row's
 // largest magnitude (zero elsewhere; nothing past the valid lanes is read).
 inline __m512 rescale_ps(const int32_t* sums, const int32_t* comp, const float* sc, __m512 top,
@@ -747,6 +843,20 @@ inline __m512 rescale_ps(const int32_t* sums, const int32_t* comp, const float* 
                                          _mm512_maskz_loadu_epi32(valid, comp));
   return _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_maskz_loadu_ps(valid, sc)),
                        top);
+}
+#else
+// The outputs of 8 sums, as rescale_ps computes each lane.
+inline __m256 rescale_ps(const int32_t* sums, const int32_t* comp, const float* sc, __m256 top) {
+  const __m256i exact =
+      _mm256_sub_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums)),
+                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(comp)));
+  return _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(exact), _mm256_loadu_ps(sc)), top);
+}
+#endif
+
+// One output, as rescale_ps computes each lane.
+inline float rescale(int32_t sum, int32_t comp, float sc, float top) {
+  return static_cast<float>(sum - comp) * sc * top;
 }
 #endif
 
@@ -772,7 +882,7 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed,
   if (rows == 0) {
     return out;
   }
-#if defined(__AVX512VNNI__)
+#if defined(GEMMA_INT8_KERNEL)
   const Int8Rows q = quantize_rows(x, packed.size(1));
   const float* sc = scales.data_ptr<float>();
   const int32_t* comp = compensation.data_ptr<int32_t>();
@@ -784,6 +894,7 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed,
       const float top = q.row_max[row0 + r];
       float* dst = o + (row0 + r) * out_features + first;
       const int32_t* sr = sums + r * kTile;
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
       // Many rows' outputs (the LM head's logits) outgrow the caches: streaming stores write
       // them without reading their lines in first. Only on the AMX path, whose threads fence
       // them (amx_tiles); a few rows' outputs fit the caches anyway.
@@ -794,15 +905,87 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed,
         }
         continue;
       }
+#endif
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) {
-        dst[j] = static_cast<float>(sr[j] - comp[first + j]) * sc[first + j] * top;
+        dst[j] = rescale(sr[j], comp[first + j], sc[first + j], top);
       }
     }
   });
 #endif
   return out;
 }
+
+#if defined(GEMMA_INT8_KERNEL)
+// One row's n outputs of a tile (columns first..first + n; comp and sc from column `first`)
+// into its 16 lanes (column j in lane j % 16) of the largest output met and its smallest
+// column (best, column); returns whether any output was NaN.
+#if defined(__AVX512VNNI__)
+bool update_lanes(const int32_t* sums, const int32_t* comp, const float* sc, float row_max,
+                  int64_t first, int64_t n, float* best, int32_t* column) {
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 top = _mm512_loadu_ps(best);
+  __m512i at = _mm512_loadu_si512(column);
+  __mmask16 nan = 0;
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 valid = n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1;
+    const __m512 v = rescale_ps(sums + j, comp + j, sc + j, _mm512_set1_ps(row_max), valid);
+    const __m512i index = _mm512_add_epi32(lanes, _mm512_set1_epi32(first + j));
+    nan |= _mm512_mask_cmp_ps_mask(valid, v, v, _CMP_UNORD_Q);
+    const __mmask16 larger = _mm512_mask_cmp_ps_mask(valid, v, top, _CMP_GT_OQ);
+    const __mmask16 tie = _mm512_mask_cmp_ps_mask(valid, v, top, _CMP_EQ_OQ);
+    at = _mm512_mask_blend_epi32(larger, at, index);
+    at = _mm512_mask_min_epi32(at, tie, at, index);
+    top = _mm512_mask_blend_ps(larger, top, v);
+  }
+  _mm512_storeu_ps(best, top);
+  _mm512_storeu_si512(column, at);
+  return nan != 0;
+}
+#else
+// The same rule on two 8-lane halves; the last outputs of a partial run of 16 lane by lane.
+bool update_lanes(const int32_t* sums, const int32_t* comp, const float* sc, float row_max,
+                  int64_t first, int64_t n, float* best, int32_t* column) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 scale = _mm256_set1_ps(row_max);
+  __m256 top[2] = {_mm256_loadu_ps(best), _mm256_loadu_ps(best + 8)};
+  __m256i at[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(column)),
+                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(column + 8))};
+  int nan = 0;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    for (int h = 0; h < 2; ++h) {
+      const int64_t k = j + 8 * h;
+      const __m256 v = rescale_ps(sums + k, comp + k, sc + k, scale);
+      const __m256i index = _mm256_add_epi32(lanes, _mm256_set1_epi32(first + k));
+      nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      const __m256 larger = _mm256_cmp_ps(v, top[h], _CMP_GT_OQ);
+      const __m256 tie = _mm256_cmp_ps(v, top[h], _CMP_EQ_OQ);
+      at[h] = _mm256_blendv_epi8(at[h], index, _mm256_castps_si256(larger));
+      at[h] = _mm256_blendv_epi8(at[h], _mm256_min_epi32(at[h], index), _mm256_castps_si256(tie));
+      top[h] = _mm256_blendv_ps(top[h], v, larger);
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    _mm256_storeu_ps(best + 8 * h, top[h]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(column + 8 * h), at[h]);
+  }
+  for (; j < n; ++j) {
+    const float v = rescale(sums[j], comp[j], sc[j], row_max);
+    const int32_t index = static_cast<int32_t>(first + j);
+    const int64_t lane = j % 16;
+    nan |= std::isnan(v);
+    if (v > best[lane]) {
+      best[lane] = v;
+      column[lane] = index;
+    } else if (v == best[lane] && index < column[lane]) {
+      column[lane] = index;
+    }
+  }
+  return nan != 0;
+}
+#endif
+#endif
 
 // The first maximum of each row of packed_int8_linear(x, ...) (a NaN counts as the largest,
 // the first NaN winning, as torch.max(dim).indices and row_argmax take it): int64 [rows],
@@ -818,7 +1001,7 @@ at::Tensor packed_int8_linear_argmax(const at::Tensor& x, const at::Tensor& pack
   const int64_t rows = x.size(0);
   at::Tensor out = at::zeros({rows}, x.options().dtype(at::kLong));
   TORCH_CHECK(out_features < INT32_MAX, "too many outputs");
-#if defined(__AVX512VNNI__)
+#if defined(GEMMA_INT8_KERNEL)
   if (rows == 0) {
     return out;
   }
@@ -833,38 +1016,19 @@ at::Tensor packed_int8_linear_argmax(const at::Tensor& x, const at::Tensor& pack
   std::vector<float> best(threads * rows * 16, -std::numeric_limits<float>::infinity());
   std::vector<int32_t> column(threads * rows * 16, INT32_MAX);
   std::vector<int32_t> first_nan(threads * rows, INT32_MAX);
-  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   int8_tile_sums(q, rows, packed, 1, [&](int64_t t, int64_t row0, int64_t block_rows,
                                       const int32_t* sums) {
     const int64_t first = t * kTile, n = std::min(kTile, out_features - first);
     const int64_t thread = nested ? 0 : omp_get_thread_num();
     for (int64_t r = 0; r < block_rows && row0 + r < rows && n > 0; ++r) {
       const int64_t row = row0 + r;
-      float* b = best.data() + (thread * rows + row) * 16;
-      int32_t* c = column.data() + (thread * rows + row) * 16;
-      __m512 top = _mm512_loadu_ps(b);
-      __m512i at = _mm512_loadu_si512(c);
-      __mmask16 nan = 0;
-      for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 valid = n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1;
-        const __m512 v = rescale_ps(sums + r * kTile + j, comp + first + j, sc + first + j,
-                                    _mm512_set1_ps(q.row_max[row]), valid);
-        const __m512i index = _mm512_add_epi32(lanes, _mm512_set1_epi32(first + j));
-        nan |= _mm512_mask_cmp_ps_mask(valid, v, v, _CMP_UNORD_Q);
-        const __mmask16 larger = _mm512_mask_cmp_ps_mask(valid, v, top, _CMP_GT_OQ);
-        const __mmask16 tie = _mm512_mask_cmp_ps_mask(valid, v, top, _CMP_EQ_OQ);
-        at = _mm512_mask_blend_epi32(larger, at, index);
-        at = _mm512_mask_min_epi32(at, tie, at, index);
-        top = _mm512_mask_blend_ps(larger, top, v);
-      }
-      _mm512_storeu_ps(b, top);
-      _mm512_storeu_si512(c, at);
-      if (nan != 0) {  // the tile's first NaN, if it comes before the one already met
+      const int32_t* sr = sums + r * kTile;
+      const bool nan = update_lanes(sr, comp + first, sc + first, q.row_max[row], first, n,
+                                    best.data() + (thread * rows + row) * 16,
+                                    column.data() + (thread * rows + row) * 16);
+      if (nan) {  // the tile's first NaN, if it comes before the one already met
         for (int64_t j = 0; j < n; ++j) {
-          const float value =
-              static_cast<float>(sums[r * kTile + j] - comp[first + j]) * sc[first + j] *
-              q.row_max[row];
-          if (std::isnan(value)) {
+          if (std::isnan(rescale(sr[j], comp[first + j], sc[first + j], q.row_max[row]))) {
             first_nan[thread * rows + row] =
                 std::min<int32_t>(first_nan[thread * rows + row], first + j);
             break;
@@ -912,7 +1076,7 @@ at::Tensor packed_int8_gated(const at::Tensor& x, const at::Tensor& packed,
   check_int8_linear(x, packed, scales, compensation, packed.size(0) * kTile);
   const int64_t rows = x.size(0);
   at::Tensor out = at::empty({rows, hidden}, x.options().dtype(at::kFloat));
-#if defined(__AVX512VNNI__)
+#if defined(GEMMA_INT8_KERNEL)
   if (rows == 0) {
     return out;
   }
@@ -925,10 +1089,11 @@ at::Tensor packed_int8_gated(const at::Tensor& x, const at::Tensor& packed,
     const int64_t first = t / 2 * kTile, n = std::min(kTile, hidden - first);
     const int64_t gate = t * kTile, up = gate + kTile;  // their outputs in packed's order
     for (int64_t r = 0; r < block_rows && row0 + r < rows; ++r) {
-      const __m512 top = _mm512_set1_ps(q.row_max[row0 + r]);
       const int32_t* g = sums + r * kTile;
       const int32_t* u = sums + (block_rows + r) * kTile;
       float* dst = o + (row0 + r) * hidden + first;
+#if defined(__AVX512VNNI__)
+      const __m512 top = _mm512_set1_ps(q.row_max[row0 + r]);
       for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 valid = n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1;
         const __m512 activation =
@@ -937,6 +1102,13 @@ at::Tensor packed_int8_gated(const at::Tensor& x, const at::Tensor& packed,
             _mm512_mul_ps(rescale_ps(u + j, comp + up + j, sc + up + j, top, valid), activation);
         _mm512_mask_storeu_ps(dst + j, valid, product);
       }
+#else
+      const float top = q.row_max[row0 + r];
+      for (int64_t j = 0; j < n; ++j) {
+        const float activation = gelu_tanh(rescale(g[j], comp[gate + j], sc[gate + j], top));
+        dst[j] = rescale(u[j], comp[up + j], sc[up + j], top) * activation;
+      }
+#endif
     }
   });
 #endif
