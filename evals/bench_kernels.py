@@ -27,8 +27,10 @@ input shape, so the second pays that build on nearly every call.
     python -m evals.bench_kernels [--rows 1 16 32] [--mlp-rows 1 16 32 512] [--rounds 20]
         [--prefill-calls 300]
 
-Results go to evals/results/bench_kernels.json on a CPU with AMX tiles and to
-bench_kernels_no_amx.json without.
+Results go to evals/results/bench_kernels.json on a CPU with AMX tiles, to
+bench_kernels_no_amx.json on one with AVX512-VNNI and no AMX, and to bench_kernels_avx2.json on
+one with neither (there the bf16 kernels, which the server refuses without AVX-512, are left
+out).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.cpu_features import has_amx, has_bf16
+from engine.model.cpu_features import has_amx, has_bf16, has_vnni
 from engine.model.int8_kernels import DynamicInt8Linear, OneDNNInt8Linear
 from engine.model.kernel_select import int8_linear_class
 from engine.model.linear_kernels import BFloat16GatedMLP, BFloat16Linear, PackedLinear
@@ -94,11 +96,12 @@ KERNELS: dict[str, Callable[[torch.Tensor], Call]] = {
     "exact (float32 F.linear)": lambda w: lambda x: F.linear(x, w),
     "packed (float32, as served)": PackedLinear,
     "packed (float32, oneDNN)": float32_onednn,
-    "bf16 (as served)": BFloat16Linear,
-    "bf16 (oneDNN)": library_only(BFloat16Linear),
     "int8 (as served)": _INT8,
     f"int8 ({_INT8_LIBRARY} only)": library_only(_INT8),
 }
+if has_bf16():  # elsewhere the server refuses the bf16 modes (kernel_select.kernel_for)
+    KERNELS["bf16 (as served)"] = BFloat16Linear
+    KERNELS["bf16 (oneDNN)"] = library_only(BFloat16Linear)
 if _INT8 is OneDNNInt8Linear:
     KERNELS["int8 (fbgemm only)"] = library_only(DynamicInt8Linear)
 
@@ -218,18 +221,22 @@ def main() -> None:
     for way, by_rows in mlp_ms.items():
         timings = ", ".join(f"{rows} rows {ms:.3f}" for rows, ms in by_rows.items())
         print(f"bf16 MLP {way}, ms per layer: {timings}")
-    prefill_s = {
-        "row_bucket": prefill_rows_seconds(args.prefill_calls, bucketed=True),
-        "exact rows": prefill_rows_seconds(args.prefill_calls, bucketed=False),
-    }
-    print(
-        f"{args.prefill_calls} prefill batches of 65-600 rows through one layer's bf16 linears: "
-        f"{prefill_s['row_bucket']:.2f} s padded to row_bucket, "
-        f"{prefill_s['exact rows']:.2f} s at the exact row count"
-    )
-    # One file per kind of CPU: the kernels that run differ with and without AMX tiles.
+    prefill_s: dict[str, float] = {}
+    if has_bf16():
+        prefill_s = {
+            "row_bucket": prefill_rows_seconds(args.prefill_calls, bucketed=True),
+            "exact rows": prefill_rows_seconds(args.prefill_calls, bucketed=False),
+        }
+        print(
+            f"{args.prefill_calls} prefill batches of 65-600 rows through one layer's bf16 "
+            f"linears: {prefill_s['row_bucket']:.2f} s padded to row_bucket, "
+            f"{prefill_s['exact rows']:.2f} s at the exact row count"
+        )
+    # One file per kind of CPU: the kernels that run differ with AMX tiles, with VNNI alone
+    # and with AVX2 alone.
     path = write_results(
-        "bench_kernels" if has_amx() else "bench_kernels_no_amx",
+        "bench_kernels" if has_amx() else "bench_kernels_no_amx" if has_vnni() else
+        "bench_kernels_avx2",
         {"rows": args.rows, "rounds": args.rounds, "amx": has_amx(), "int8": int8_library,
          "ms": {k: {part: {str(r): v for r, v in rows.items()} for part, rows in parts.items()}
                 for k, parts in table.items()},
