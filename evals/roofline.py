@@ -7,9 +7,9 @@ the K/V the context holds), measures this machine's read bandwidth (a sum over a
 larger than the caches, both cores), and sets the roofline, bandwidth / bytes, beside the
 measured decode speed of one stream through the engine.
 
-    python -m evals.roofline [--context 256] [--decode-tokens 64] [--repeats 5]
+    python -m evals.roofline [--context 256] [--decode-tokens 64] [--repeats 5] [--out PATH]
 
-Writes evals/results/roofline.json.
+Writes evals/results/roofline.json (or `--out`).
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ import argparse
 import random
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from engine.backends.custom import CustomBackend
 from engine.config import EngineConfig, KVConfig
-from engine.model.int8_kernels import DynamicInt8Linear, OneDNNInt8Linear
+from engine.model.int8_kernels import DynamicInt8Linear, Int8GatedMLP, OneDNNInt8Linear
 from engine.model.kernel_select import kernel_for
 from engine.model.kv_cache import auto_kv_cache_dtype
 from engine.model.linear_kernels import BFloat16GatedMLP, BFloat16Linear, PackedLinear
@@ -48,6 +49,8 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
     for module in model.modules():
         if isinstance(module, BFloat16GatedMLP):
             size = 3 * module.in_features * module.out_features * 2  # gate, up and down
+        elif isinstance(module, Int8GatedMLP):
+            size = 3 * module.in_features * module.hidden  # gate, up and down, a byte each
         elif isinstance(module, nn.Linear):
             size = module.weight.numel() * module.weight.element_size()
         elif isinstance(
@@ -80,6 +83,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256, help="prompt tokens before decoding")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None, help="default: results/roofline.json")
     args = parser.parse_args()
 
     llm = LLM(
@@ -132,7 +136,7 @@ def main() -> None:
     }
     for key, value in result.items():
         print(f"{key:24s} {value}")
-    print(f"wrote {write_results('roofline', result)}")
+    print(f"wrote {write_results('roofline', result, args.out)}")
 
 
 if __name__ == "__main__":
