@@ -122,7 +122,7 @@ def test_exact_prompt_logprobs_equal_transformers_after_a_cache_hit_in_a_batch(
 
 @pytest.mark.parametrize("kernel", ["bf16-int8head", "int8"])
 def test_approximate_kernels_prompt_logprobs_are_bounded(embedded_model, reference, kernel):
-    from engine.model.cpu_features import has_bf16
+    from engine.model.cpu_features import has_bf16, int8_weight_max
 
     if kernel.startswith("bf16") and not has_bf16():
         pytest.skip("this CPU has no oneDNN bfloat16 GEMM")
@@ -132,8 +132,10 @@ def test_approximate_kernels_prompt_logprobs_are_bounded(embedded_model, referen
     (out,) = _run(engine, seq)[seq.seq_id]
     got = torch.tensor([e.logprob for e in out.prompt_logprobs])
     want = torch.tensor([expected[p, ids[p + 1]].item() for p in range(len(ids) - 1)])
-    # Measured on this model (docs/scoring.md): mean 0.03 (bf16) and 0.09 (int8) nats.
-    assert (got - want).abs().mean() < 0.2
+    # Measured on this model (docs/scoring.md): mean 0.03 (bf16) and 0.09 (int8) nats; 0.20
+    # with the 7-bit int8 weights of a CPU without VNNI (0.26 there through fbgemm).
+    seven_bit = kernel == "int8" and int8_weight_max() < 127
+    assert (got - want).abs().mean() < (0.3 if seven_bit else 0.2)
     assert (got - want).abs().max() < 1.5
 
 
