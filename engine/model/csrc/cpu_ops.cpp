@@ -273,6 +273,17 @@ inline __m512 load16(const c10::BFloat16* src) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 floats of a pool row from `src`, as load16.
+inline __m256 load8(const float* src) { return _mm256_loadu_ps(src); }
+
+inline __m256 load8(const c10::BFloat16* src) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+#define GEMMA_AVX2_ATTENTION 1
+#endif
+
 // A mask entry at or below this marks a key the query must not see (masks hold the dtype's
 // minimum there): it is skipped, never read.
 constexpr float kMasked = -1e30f;
@@ -299,6 +310,30 @@ struct DecodeTask {
   float* inverse_total;
   float* out;
 };
+
+#if defined(GEMMA_AVX2_ATTENTION)
+// With AVX2: the scores of H query heads (q [H, d]) for one key, sharing each load of the key,
+// two accumulators per head (one dependent chain per dot product would leave the FMA units
+// waiting). scores[h * stride] gets head h's.
+template <int H, typename kv_t>
+inline void score_heads(const float* q, const kv_t* key, int64_t d, float scale, float mask,
+                        float* scores, int64_t stride) {
+  __m256 acc[H][2];
+  for (auto& head : acc) {
+    head[0] = head[1] = _mm256_setzero_ps();
+  }
+  for (int64_t i = 0; i < d; i += 16) {
+    const __m256 k0 = load8(key + i), k1 = load8(key + i + 8);
+    for (int h = 0; h < H; ++h) {
+      acc[h][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + i), k0, acc[h][0]);
+      acc[h][1] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + i + 8), k1, acc[h][1]);
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    scores[h * stride] = reduce_add_ps(_mm256_add_ps(acc[h][0], acc[h][1])) * scale + mask;
+  }
+}
+#endif
 
 // The scores of keys [begin, end) for every query head of the task. `row` ([D]) is scratch.
 template <typename kv_t>
@@ -343,6 +378,15 @@ void score_keys(const DecodeTask<kv_t>& t, int64_t begin, int64_t end, float* ro
       scores[(g + 2) * keys + k] = _mm512_reduce_add_ps(a2) * t.scale + mask[k];
       scores[(g + 3) * keys + k] = _mm512_reduce_add_ps(a3) * t.scale + mask[k];
     }
+#elif defined(GEMMA_AVX2_ATTENTION)
+    if (d % 16 == 0) {
+      for (; g + 4 <= group; g += 4) {
+        score_heads<4>(q + g * d, key, d, t.scale, mask[k], scores + g * keys + k, keys);
+      }
+      for (; g < group; ++g) {
+        score_heads<1>(q + g * d, key, d, t.scale, mask[k], scores + g * keys + k, keys);
+      }
+    }
 #endif
     if (g < group) {
       load_row(key, row, d);
@@ -378,6 +422,15 @@ void softmax_scores(const DecodeTask<kv_t>& t) {
       tops = _mm512_mask_max_ps(tops, seen, tops, _mm512_loadu_ps(sg + k));
     }
     top = _mm512_reduce_max_ps(tops);
+#elif defined(GEMMA_AVX2_ATTENTION)
+    // 8 keys at a time; a masked lane keeps the running maximum (its score was never written).
+    const __m256 masked = _mm256_set1_ps(kMasked);
+    __m256 tops = masked;
+    for (; k + 8 <= keys; k += 8) {
+      const __m256 seen = _mm256_cmp_ps(_mm256_loadu_ps(mask + k), masked, _CMP_GT_OQ);
+      tops = _mm256_blendv_ps(tops, _mm256_max_ps(tops, _mm256_loadu_ps(sg + k)), seen);
+    }
+    top = reduce_max_ps(tops);
 #endif
     for (; k < keys; ++k) {
       top = mask[k] <= kMasked ? top : std::max(top, sg[k]);
@@ -395,6 +448,17 @@ void softmax_scores(const DecodeTask<kv_t>& t) {
       totals = _mm512_add_ps(totals, p);
     }
     total = _mm512_reduce_add_ps(totals);
+#elif defined(GEMMA_AVX2_ATTENTION)
+    const __m256 top_lanes = _mm256_set1_ps(top);
+    __m256 totals = _mm256_setzero_ps();
+    for (; k + 8 <= keys; k += 8) {
+      const __m256 seen = _mm256_cmp_ps(_mm256_loadu_ps(mask + k), masked, _CMP_GT_OQ);
+      const __m256 p = _mm256_and_ps(
+          seen, exp_nonpositive_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + k), top_lanes)));
+      _mm256_storeu_ps(sg + k, p);
+      totals = _mm256_add_ps(totals, p);
+    }
+    total = reduce_add_ps(totals);
 #endif
     for (; k < keys; ++k) {
       const float p = mask[k] <= kMasked ? 0.f : exp_nonpositive(sg[k] - top);
@@ -404,6 +468,42 @@ void softmax_scores(const DecodeTask<kv_t>& t) {
     t.inverse_total[g] = 1.f / total;
   }
 }
+
+#if defined(GEMMA_AVX2_ATTENTION)
+// With AVX2: weigh_values' columns [begin, end) of query heads [g, g + H), 16 at a time, each
+// 16 columns of H heads in registers while every key's values stream past.
+template <int H, typename kv_t>
+void weigh_heads(const DecodeTask<kv_t>& t, int64_t g, int64_t begin, int64_t end) {
+  const int64_t keys = t.keys;
+  for (int64_t col = begin; col < end; col += 16) {
+    __m256 acc[H][2];
+    for (auto& head : acc) {
+      head[0] = head[1] = _mm256_setzero_ps();
+    }
+    for (int64_t k = 0; k < keys; ++k) {
+      if (k + kPrefetchAhead < keys && t.mask[k + kPrefetchAhead] > kMasked) {
+        __builtin_prefetch(t.values_at + t.slots[k + kPrefetchAhead] * t.pool_stride + col, 0, 3);
+      }
+      if (t.mask[k] <= kMasked) {
+        continue;
+      }
+      const kv_t* value = t.values_at + t.slots[k] * t.pool_stride + col;
+      const __m256 v0 = load8(value), v1 = load8(value + 8);
+      for (int h = 0; h < H; ++h) {
+        const __m256 p = _mm256_set1_ps(t.scores[(g + h) * keys + k]);
+        acc[h][0] = _mm256_fmadd_ps(p, v0, acc[h][0]);
+        acc[h][1] = _mm256_fmadd_ps(p, v1, acc[h][1]);
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      const __m256 inverse = _mm256_set1_ps(t.inverse_total[g + h]);
+      float* o = t.out + (g + h) * t.head_dim + col;
+      _mm256_storeu_ps(o, _mm256_mul_ps(acc[h][0], inverse));
+      _mm256_storeu_ps(o + 8, _mm256_mul_ps(acc[h][1], inverse));
+    }
+  }
+}
+#endif
 
 // The task's output columns [begin, end): the softmax-weighted values, over inverse_total.
 // Each column sums the keys in the same order whatever the range, so the bits do not depend
@@ -455,6 +555,15 @@ void weigh_values(const DecodeTask<kv_t>& t, int64_t begin, int64_t end, float* 
                            _mm512_mul_ps(acc[h][part], inverse));
         }
       }
+    }
+  }
+#elif defined(GEMMA_AVX2_ATTENTION)
+  if (width % 16 == 0) {
+    for (; g + 4 <= group; g += 4) {
+      weigh_heads<4>(t, g, begin, end);
+    }
+    for (; g < group; ++g) {
+      weigh_heads<1>(t, g, begin, end);
     }
   }
 #endif
