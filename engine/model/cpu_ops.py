@@ -34,8 +34,8 @@ from engine.model.loader import cache_root
 log = structlog.get_logger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "packed_linear.cpp"]
-HEADERS = [CSRC / "vector_math.h"]
+SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "packed_linear.cpp", CSRC / "decoder_layer.cpp"]
+HEADERS = [CSRC / "parallel.h", CSRC / "vector_math.h"]
 # -fopenmp: at::parallel_for runs its OpenMP loop inline, so it is serial without it; the library
 # then needs libgomp.so.1, which resolves to the one torch has already loaded (one thread pool).
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-std=c++17"]

@@ -184,6 +184,21 @@ class Int8LayerTensors:
     head_eps: float
     scaling: float
 
+    def layer_call_args(
+        self,
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor], list[int], list[float]]:
+        """cpu_ops' int8_decoder_layer's last four arguments, in the order its C++ reads them
+        (csrc/decoder_layer.cpp): the norms' scales, each GEMM's packed weights, scales and
+        compensation, the sizes, and the constants."""
+        norms = [
+            self.input_norm, self.q_norm, self.k_norm, self.post_attention_norm,
+            self.pre_feedforward_norm, self.post_feedforward_norm,
+        ]  # fmt: skip
+        gemms = (self.qkv, self.o_proj, self.gate_up, self.down)
+        linears = [tensor for gemm in gemms for tensor in gemm[:3]]
+        sizes = [self.heads, self.kv_heads, self.head_dim, *(gemm[3] for gemm in gemms)]
+        return norms, linears, sizes, [self.eps, self.head_eps, self.scaling]
+
 
 class Int8DecoderLayer(FusedDecoderLayer):
     """A FusedDecoderLayer whose GEMMs all run on cpu_ops' int8 kernel (CPUs without AMX,
@@ -191,11 +206,14 @@ class Int8DecoderLayer(FusedDecoderLayer):
     bound once instead of through its modules: the same kernels on the same tensors in the
     same order, so the same values bit for bit, without a dozen module calls and attribute
     lookups per layer, which at one decode row cost about as much as the layer's GEMMs.
-    A step whose attention is one paged decode chunk calls the attention kernels directly
-    too; any other step goes through PagedAttentionStep's write and attend, as
-    CpuOpsAttention does. `python -m evals.bench_step` times a decode step both ways."""
+    A step whose attention is one paged decode chunk (every decode step) runs the whole layer
+    as one cpu_ops call, int8_decoder_layer, which calls the same kernels in the same order;
+    any other step runs them one by one here, with the attention through PagedAttentionStep's
+    write and attend, as CpuOpsAttention does. `python -m evals.bench_step` times a decode
+    step both ways."""
 
     bound: Int8LayerTensors
+    call_args: tuple[list[torch.Tensor | None], list[torch.Tensor], list[int], list[float]]
 
     @staticmethod
     def supports(layer: FusedDecoderLayer) -> bool:
@@ -243,6 +261,7 @@ class Int8DecoderLayer(FusedDecoderLayer):
             head_eps=attention.q_norm.eps,
             scaling=attention.scaling,
         )
+        flat.call_args = flat.bound.layer_call_args()
         return flat
 
     def forward(
@@ -255,6 +274,9 @@ class Int8DecoderLayer(FusedDecoderLayer):
     ) -> torch.Tensor:
         ops, t = torch.ops.gemma_cpu, self.bound
         heads, kv_heads, dim, index = t.heads, t.kv_heads, t.head_dim, self.self_attn.spec.index
+        addressing = step.decode_addressing(index)
+        if addressing is not None:
+            return ops.int8_decoder_layer(x, cos, sin, *addressing, *self.call_args)
         projected = ops.packed_int8_linear(
             ops.rms_norm(x, t.input_norm, t.eps, False), *t.qkv, None
         )
@@ -262,16 +284,8 @@ class Int8DecoderLayer(FusedDecoderLayer):
         keys = ops.norm_rope(projected, heads * dim, kv_heads, dim, t.k_norm, cos, sin, t.head_eps)
         start = (heads + kv_heads) * dim
         values = projected[:, start : start + kv_heads * dim].view(-1, kv_heads, dim)
-        addressing = step.decode_addressing(index)
-        if addressing is not None:
-            key_pool, value_pool, write_slots, key_slots, mask = addressing
-            ops.store_kv(key_pool, value_pool, write_slots, keys, values)
-            out = ops.paged_decode_attention(
-                query, key_pool, value_pool, key_slots, mask, t.scaling
-            )
-        else:
-            step.write(index, keys, values)
-            out = step.attend(index, query, t.scaling)
+        step.write(index, keys, values)
+        out = step.attend(index, query, t.scaling)
         attended = ops.packed_int8_linear(out.reshape(x.shape[0], -1), *t.o_proj, None)
         hidden = ops.add_rms_norm_(
             x, attended, t.post_attention_norm, t.pre_feedforward_norm, t.eps, False
