@@ -48,6 +48,8 @@ from evals.harness import (
 from evals.plots import plt
 
 MODEL = "gemma-3-270m"
+# Ports below this are left to others: Ray gives its workers 10002-19999 by default.
+_LOWEST_PORT = 20_000
 
 
 def free_port_run(count: int) -> int:
@@ -63,10 +65,6 @@ def free_port_run(count: int) -> int:
         port = rng.randrange(_LOWEST_PORT, top)
         if all(_bindable(port + offset) for offset in range(count)):
             return port
-
-
-# Ports below this are left to others: Ray gives its workers 10002-19999 by default.
-_LOWEST_PORT = 20_000
 
 
 def _ephemeral_ports_start() -> int:

@@ -204,8 +204,9 @@ def test_int8_module_against_its_library(linear_class, rows: int) -> None:
 
 @needs_packed(torch.int8)
 @pytest.mark.skipif(has_amx(), reason="AMX CPUs run oneDNN past AMX_INT8_MAX_ROWS")
-def test_int8_module_runs_every_row_count_on_vnni_without_a_library_copy() -> None:
-    """Without AMX cpu_ops' VNNI kernel runs prefill-sized calls too, and a module keeps no
+def test_int8_module_runs_every_row_count_without_amx_and_no_library_copy() -> None:
+    """Without AMX cpu_ops' int8 kernel (its VNNI form, or its AVX2 form on a CPU with no
+    VNNI) runs prefill-sized calls too, and a module keeps no
     second copy of its weights for fbgemm: a row's outputs are the same alone and among 300,
     bit for bit."""
     weight, x = random(130, 96, seed=23) * 0.05, random(300, 96, seed=24)

@@ -761,8 +761,8 @@ float quantize_row(const float* x, int64_t width, uint8_t* q) {
     const float a = std::fabs(x[i]);
     largest = a > largest ? a : largest;
   }
-  const float row_max = std::max(largest, 1e-12f);
-  const __m256 scale = _mm256_set1_ps(127.f / row_max);
+  const float row_max = std::max(largest, 1e-12f), factor = 127.f / row_max;
+  const __m256 scale = _mm256_set1_ps(factor);
   const __m256i zero_point = _mm256_set1_epi32(128);
   // Byte 0 of each int32 lane: four per 128-bit half, then the halves' words side by side.
   const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
@@ -776,7 +776,7 @@ float quantize_row(const float* x, int64_t width, uint8_t* q) {
     _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm256_castsi256_si128(packed));
   }
   for (; i < width; ++i) {
-    const int32_t v = _mm_cvtss_si32(_mm_set_ss(x[i] * (127.f / row_max)));
+    const int32_t v = _mm_cvtss_si32(_mm_set_ss(x[i] * factor));
     q[i] = static_cast<uint8_t>(v + 128);
   }
   return row_max;
