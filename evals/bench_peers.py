@@ -37,9 +37,14 @@ Opt-in: this server in each weight mode ("gemma-serve bf16", "gemma-serve bf16-i
 "llama.cpp F32" (the same weights requantized with `llama-quantize`), and "naive transformers"
 (`generate`, one request at a time, as bench_serving measures it).
 
+Before and after each engine the machine's read bandwidth is measured (evals.roofline's
+read_bandwidth): on a shared host it can move by half between engines, and the tables say so
+where it moved by more than a fifth.
+
 Writes evals/results/bench_peers.{json,md,png} (or `--out` and its .md and .png): the JSON
 records the CPU model and its AVX2 / AVX-512 BF16 / AMX flags once at the top, each engine's
-dtype / mode and settings, every point's figures and each engine's goodput. The Markdown
+dtype / mode and settings, every point's figures, each engine's goodput and the bandwidth
+readings. The Markdown
 (also printed) has a table of tokens/s per engine per point with "ours / best peer" and
 "ours / vLLM" rows, a table of TTFT and TPOT p50 / p95, and a goodput line per engine. The PNG
 plots tokens/s, TTFT p95 and TPOT p95 against N at the short-prompt points.
@@ -89,6 +94,7 @@ from evals.harness import (
     write_results,
 )
 from evals.plots import line_panels
+from evals.roofline import read_bandwidth
 
 VLLM_VENV = ROOT / ".venv-vllm"
 VLLM_NAME = f"vLLM CPU {dtype_label(vllm_cpu_dtype()[0])}"
@@ -356,6 +362,35 @@ def describe(engine: Engine) -> str:
     return f"transformers generate in {info['dtype']}, {info['serving']}"
 
 
+# Bandwidth readings further apart than this, within one run, get a warning in the tables.
+DRIFT_WARNING = 1.2
+
+
+def drift_lines(bandwidth: dict[str, list[float]], labels: dict[str, str]) -> list[str]:
+    """The machine's read bandwidth before and after each engine, and a warning where the
+    readings differ by more than DRIFT_WARNING: the engines run one after another, so a
+    machine whose memory slows (a shared host) shifts every ratio between them."""
+    if not bandwidth:
+        return []
+    readings = ", ".join(
+        f"{labels[name]} {first:.1f} / {last:.1f}" for name, (first, last) in bandwidth.items()
+    )
+    lines = [
+        "",
+        "Read bandwidth before / after each engine (a sum over 1 GiB, every core, best of "
+        f"five): {readings} GB/s.",
+    ]
+    values = [value for pair in bandwidth.values() for value in pair]
+    if max(values) > DRIFT_WARNING * min(values):
+        lines += [
+            "",
+            f"**The machine drifted during this run**: its bandwidth ranged {min(values):.1f} "
+            f"to {max(values):.1f} GB/s. The engines ran one after another, so the ratios "
+            "between them carry that drift.",
+        ]
+    return lines
+
+
 def _ms(seconds: float) -> str:
     return "-" if math.isnan(seconds) else f"{1000 * seconds:.0f} ms"
 
@@ -370,11 +405,13 @@ def markdown(
     results: dict[str, dict[str, dict]],
     points: list[Point],
     good: dict[str, dict],
+    bandwidth: dict[str, list[float]],
     args,
 ) -> str:
     flags = ", ".join(f"{flag} {'yes' if on else 'no'}" for flag, on in cpu["flags"].items())
     lines = [f"CPU: {cpu['model']}, {cpu['cores']} cores ({flags}).", "", "Engines:"]
     lines += [f"- {engine.label}: {describe(engine)}" for engine in ran]
+    lines += drift_lines(bandwidth, {engine.name: engine.label for engine in ran})
     lines += [
         "",
         f"Output tokens/s. Closed loop, N streaming users, {args.prompt_tokens}-token prompts "
@@ -502,6 +539,7 @@ def main() -> None:
         p.key: point_prompts(loaded.tokenizer, p, args.seconds, args.output_tokens) for p in points
     }
     results: dict[str, dict[str, dict]] = {}
+    bandwidth: dict[str, list[float]] = {}  # GB/s the machine read before and after each engine
     skipped = []
     failed: dict[str, str] = {}
     for engine in ran:
@@ -510,11 +548,13 @@ def main() -> None:
             print(f"{engine.name}: not installed (make peers), skipped")
             continue
         print(f"{engine.name}:", flush=True)
+        before = read_bandwidth() / 1e9
         # A server that fails mid-run gets one fresh start; a second failure is reported, not
         # fatal.
         for attempt in (1, 2):
             try:
                 results[engine.name] = measure(engine, points, prompts, warm_up, args)
+                bandwidth[engine.name] = [round(before, 1), round(read_bandwidth() / 1e9, 1)]
                 break
             except (httpx.HTTPError, RuntimeError) as exc:
                 print(f"  {engine.name}: attempt {attempt} failed: {exc!r}", flush=True)
@@ -539,7 +579,9 @@ def main() -> None:
         name: goodput(rows, points, args.ttft_budget, args.tpot_budget)
         for name, rows in results.items()
     }
-    table = markdown(cpu, [e for e in ran if e.name in results], results, points, good, args)
+    table = markdown(
+        cpu, [e for e in ran if e.name in results], results, points, good, bandwidth, args
+    )
     print(table)
     path = write_results(
         "bench_peers",
@@ -557,7 +599,7 @@ def main() -> None:
                 for e in ran if e.name in results
             },
             "skipped": skipped, "failed": failed, "results": results, "goodput": good,
-            "markdown": table,
+            "read_bandwidth_gb_s": bandwidth, "markdown": table,
         },
         args.out,
     )  # fmt: skip
