@@ -272,11 +272,12 @@ class Int8DecoderLayer(FusedDecoderLayer):
         step: PagedAttentionStep,
         per_layer_input: torch.Tensor | None,
     ) -> torch.Tensor:
-        ops, t = torch.ops.gemma_cpu, self.bound
-        heads, kv_heads, dim, index = t.heads, t.kv_heads, t.head_dim, self.self_attn.spec.index
+        ops, index = torch.ops.gemma_cpu, self.self_attn.spec.index
         addressing = step.decode_addressing(index)
         if addressing is not None:
             return ops.int8_decoder_layer(x, cos, sin, *addressing, *self.call_args)
+        t = self.bound
+        heads, kv_heads, dim = t.heads, t.kv_heads, t.head_dim
         projected = ops.packed_int8_linear(
             ops.rms_norm(x, t.input_norm, t.eps, False), *t.qkv, None
         )
