@@ -591,6 +591,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_peers.json")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     points = [Point(f"N={n}", f"N={n}", n, args.prompt_tokens) for n in args.users]
     if args.long_prompt_tokens > 0:
