@@ -52,7 +52,7 @@ test: lint browser
 # policies, sampler, tool parsers, the OpenAI mapping, kernels on random weights, Gemma 4 on tiny
 # random configs) and one real server driven by the openai client. `make test` is the whole suite.
 FAST_TESTS := $(addprefix tests/test_,block_pool chat_output compat_chat_template \
-	compat_engine_mapping compat_responses compat_tools cpu_ops eviction fairness \
+	compat_engine_mapping compat_responses compat_tools cpu_ops decode_tables eviction fairness \
 	forward_gemma4 kv_manager kv_sizing paged_attention policies radix_cache ray_routing \
 	responses_store sampler scheduler session_evicted_kv session_pins shared_pages \
 	step_profile tenant_retirement tool_parsers gateway_openai)

@@ -246,11 +246,13 @@ def greedy_through_the_manager(
     prompts: dict[int, list[int]],
     joins: dict[int, dict[int, list[int]]],
     steps: int,
+    kv_dtype: torch.dtype | None = None,
 ) -> dict[int, list[torch.Tensor]]:
-    """The engine's loop on the real KV manager and runner (prefix caching on, block size 4):
-    every sequence prefills its uncached rest, then decodes greedily for `steps` steps;
-    `joins[step]` adds sequences. Returns each sequence's logits, step by step."""
-    runner = ModelRunner(backend, layout, 4)
+    """The engine's loop on the real KV manager and runner (prefix caching on, block size 4,
+    a cache in `kv_dtype`, default the model's): every sequence prefills its uncached rest,
+    then decodes greedily for `steps` steps; `joins[step]` adds sequences. Returns each
+    sequence's logits, step by step."""
+    runner = ModelRunner(backend, layout, 4, kv_dtype)
     kv = KVCacheManager(runner.cache_groups, layout, 4)
     running: dict[int, object] = {}
     history: dict[int, list[torch.Tensor]] = {}

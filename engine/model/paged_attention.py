@@ -37,6 +37,7 @@ the full-only sum.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 
 import torch
@@ -50,6 +51,7 @@ from engine.model.attention_chunks import (
 )
 from engine.model.attention_plan import Chunk, GroupPlan
 from engine.model.batch import ForwardBatch
+from engine.model.decode_tables import DecodeTables, decode_tables
 from engine.model.kv_cache import PagedKVCache
 
 # The cache groups whose layers' attention mass H2O's scores sum (see the module docstring).
@@ -61,6 +63,8 @@ class PagedAttentionStep:
 
     With batch.collect_attention, the attention mass each key receives is summed per cache
     group in `mass_groups` (default H2O_MASS_GROUPS); groups absent from the model are skipped.
+    A pure decode step read in place builds DecodeTables instead of GroupPlans (made only if a
+    layer calls write() or attend()).
     """
 
     def __init__(
@@ -78,29 +82,55 @@ class PagedAttentionStep:
         self.fused = fused
         self.paged_decode = paged_decode
         self.num_tokens = int(batch.input_ids.shape[0])
-        self.plans = {
-            name: GroupPlan(group, batch, windows.get(name), device, dtype)
-            for name, group in batch.groups.items()
-        }
+        self._batch, self._windows, self._device, self._dtype = batch, windows, device, dtype
         # Plans of layers elsewhere in a block than its first page (shared pages), by (group,
         # page, part), made for all of a group's places on first use.
         self._relocated: dict[tuple[str, int, int], GroupPlan] = {}
         # Mass is reported per key of the primary group: "full" if the model has it.
-        self.primary = "full" if "full" in self.plans else next(iter(self.plans), "full")
+        self.primary = "full" if "full" in batch.groups else next(iter(batch.groups), "full")
         wanted = H2O_MASS_GROUPS if mass_groups is None else tuple(mass_groups)
-        self.mass_groups = tuple(name for name in wanted if name in self.plans)
+        self.mass_groups = tuple(name for name in wanted if name in batch.groups)
         self.masses: dict[str, torch.Tensor] = {}
+        # A pure decode step read in place (decode_addressing's case): its tables, built in
+        # one pass per group; the GroupPlans are then made only if write() or attend() run.
+        self._decode: dict[str, DecodeTables] | None = None
+        pure_decode = all(n == 1 for n in batch.query_lens)
+        if fused and paged_decode and pure_decode and not batch.collect_attention:
+            self._decode = self._decode_tables()
         # This step's keys and values by storing layer, rounded as the cache stores them (fused
         # modes only): a fresh prompt's chunk reads them instead of gathering from the pools.
         self._fresh: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._keep_fresh = fused and any(
-            chunk.causal_fresh for plan in self.plans.values() for chunk in plan.chunks
+        self._keep_fresh = (
+            fused
+            and self._decode is None
+            and any(chunk.causal_fresh for plan in self.plans.values() for chunk in plan.chunks)
         )
         if batch.collect_attention:
             for name in self.mass_groups:
                 self.masses[name] = torch.zeros(
                     batch.num_seqs, self.plans[name].num_cols, dtype=torch.float32, device=device
                 )
+
+    @functools.cached_property
+    def plans(self) -> dict[str, GroupPlan]:
+        """Each cache group's GroupPlan (made on first use)."""
+        batch = self._batch
+        return {
+            name: GroupPlan(group, batch, self._windows.get(name), self._device, self._dtype)
+            for name, group in batch.groups.items()
+        }
+
+    def _decode_tables(self) -> dict[str, DecodeTables] | None:
+        """Every group's DecodeTables, or None where a group has a row it does not store."""
+        tables = {}
+        for name, group in self._batch.groups.items():
+            table = decode_tables(
+                group, name, self._batch.positions, self._windows.get(name), self.cache, self._dtype
+            )
+            if table is None:
+                return None
+            tables[name] = table
+        return tables
 
     def _plan_of(self, layer: int) -> GroupPlan:
         """The addressing `layer` reads: its group's, moved to where in a block it lives."""
@@ -136,17 +166,11 @@ class PagedAttentionStep:
         slots, mask), what write() and attend() pass to cpu_ops.store_kv and
         cpu_ops.paged_decode_attention then, for a caller that runs those two itself; else
         None (write() and attend() handle every other case)."""
-        if not (self.fused and self.paged_decode) or self.masses:
+        if self._decode is None:
             return None
-        plan = self._plan_of(layer)
-        chunks = plan.chunks
-        if plan.write_rows is not None or len(chunks) != 1:
-            return None
-        chunk = chunks[0]
-        if chunk.q_len != 1 or chunk.num_seqs != self.num_tokens:
-            return None
-        keys, values = self.cache.keys[layer], self.cache.values[layer]
-        return keys, values, plan.write_slots, chunk.key_slots, chunk.mask
+        table = self._decode[self.cache.group_of_layer[layer]]
+        write_slots, key_slots = table.at(self.cache.place_of_layer[layer])
+        return self.cache.keys[layer], self.cache.values[layer], write_slots, key_slots, table.mask
 
     def attend(
         self,
