@@ -10,13 +10,14 @@ import torch
 
 from engine.backends.custom import CustomBackend
 from engine.model import cpu_ops
-from engine.model.gemma import Attention, DecoderLayer, RMSNorm, rotate
+from engine.model.gemma import Attention, DecoderLayer, RMSNorm, TextModel, rotate
 from engine.model.int8_kernels import PackedInt8Rows
 from engine.model.optimize import (
     CpuOpsAttention,
     FusedDecoderLayer,
     FusedRMSNorm,
     Int8DecoderLayer,
+    Int8TextModel,
 )
 from tests.conftest import needs_bf16
 from tests.paged_driver import PagedDriver, hf_model
@@ -379,11 +380,11 @@ def test_row_argmax_is_torchs_first_maximum(width: int) -> None:
     not PackedInt8Rows.serves_every_row_count(48),
     reason="the flat int8 layer runs where cpu_ops' int8 kernel serves every row count",
 )
-def test_the_flat_int8_layer_gives_its_modules_values_bit_for_bit() -> None:
+def test_the_flat_int8_layer_gives_its_modules_values_bit_for_bit(monkeypatch) -> None:
     """Int8DecoderLayer calls the kernels its modules call, in the same order: a prefill, a
-    mixed step and decode steps (its direct paged-decode path) give the same logits as the
-    same layers run through their modules (FusedDecoderLayer, flat_layers=False), bit for
-    bit."""
+    mixed step and decode steps (its direct paged-decode path, the whole stack in one call:
+    Int8TextModel) give the same logits as the same layers run through their modules
+    (FusedDecoderLayer, flat_layers=False), bit for bit."""
     config = gqa_config()
     config.intermediate_size = 128
     config.attn_logit_softcapping = None  # as Gemma 3 270M: the flat layer has no softcap
@@ -392,6 +393,15 @@ def test_the_flat_int8_layer_gives_its_modules_values_bit_for_bit() -> None:
     modules = CustomBackend(config, weights, CPU, torch.float32, 256, "int8", flat_layers=False)
     assert all(type(layer) is Int8DecoderLayer for layer in flat.model.model.layers)
     assert all(type(layer) is FusedDecoderLayer for layer in modules.model.model.layers)
+    assert type(flat.model.model) is Int8TextModel and type(modules.model.model) is TextModel
+    stack_calls = []
+    stack = torch.ops.gemma_cpu.int8_decoder_stack
+
+    def counted(x: torch.Tensor, *args: object) -> torch.Tensor:
+        stack_calls.append(x.shape[0])
+        return stack(x, *args)
+
+    monkeypatch.setattr(torch.ops.gemma_cpu, "int8_decoder_stack", counted)
 
     def logits(backend: CustomBackend) -> list[torch.Tensor]:
         driver = PagedDriver(backend, shuffle_blocks=1)
@@ -405,3 +415,4 @@ def test_the_flat_int8_layer_gives_its_modules_values_bit_for_bit() -> None:
 
     for a, b in zip(logits(flat), logits(modules), strict=True):
         assert torch.equal(a, b)
+    assert stack_calls == [2, 2]  # the two pure decode steps, of two rows each

@@ -50,8 +50,9 @@ def test_decode_tables_match_the_group_plans(make_config, layout, kv_dtype, monk
                 assert keys is cache.keys[layer] and values is cache.values[layer]
                 assert torch.equal(write_slots, plan.write_slots)
                 assert torch.equal(key_slots, chunk.key_slots)
-                assert mask.dtype == chunk.mask.dtype == dtype
-                assert mask.shape == chunk.mask.shape and torch.equal(mask, chunk.mask)
+                # The kernel reads float32: the tables hold GroupPlan's mask values as such.
+                assert mask.dtype == torch.float32 and chunk.mask.dtype == dtype
+                assert mask.shape == chunk.mask.shape and torch.equal(mask, chunk.mask.float())
             steps.append(batch.num_seqs)
 
     monkeypatch.setattr(paged_attention, "PagedAttentionStep", CheckedStep)

@@ -26,7 +26,8 @@ from engine.model.kv_cache import PagedKVCache
 class DecodeTables:
     """Write slots and key slots by place in a block ((page, part) of a LanePlace whose slots
     move; None: where the block tables point), and the mask every place shares:
-    [B, 1, 1, width]."""
+    [B, 1, 1, width], float32 (what the kernel reads) holding the values of GroupPlan's mask in
+    the step's dtype, so that no layer converts it again."""
 
     write_slots: dict[tuple[int, int] | None, torch.Tensor]
     key_slots: dict[tuple[int, int] | None, torch.Tensor]
@@ -63,6 +64,7 @@ def decode_tables(
     visible = valid & (key_positions <= query)
     if window is not None:
         visible &= query - key_positions < window
+    # finfo(dtype).min is exact in float32 for the float32 and bfloat16 masks GroupPlan makes.
     mask = np.where(visible, np.float32(0), np.float32(torch.finfo(dtype).min))
     block_size = cache.block_size
     write_slots: dict[tuple[int, int] | None, torch.Tensor] = {None: group.slot_mapping}
@@ -91,5 +93,5 @@ def decode_tables(
     return DecodeTables(
         write_slots=write_slots,
         key_slots=key_slots,
-        mask=torch.from_numpy(mask).to(dtype)[:, None, None, :],
+        mask=torch.from_numpy(mask)[:, None, None, :],
     )

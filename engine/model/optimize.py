@@ -30,7 +30,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model import cpu_ops
-from engine.model.gemma import MLP, Attention, DecoderLayer, GemmaForCausalLM, RMSNorm
+from engine.model.gemma import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    GemmaForCausalLM,
+    RMSNorm,
+    TextModel,
+)
 from engine.model.int8_kernels import (
     DynamicInt8Linear,
     Int8GatedMLP,
@@ -296,6 +303,45 @@ class Int8DecoderLayer(FusedDecoderLayer):
         return x
 
 
+class Int8TextModel(TextModel):
+    """A TextModel whose layers are all Int8DecoderLayer: a step whose attention is one paged
+    decode chunk (every decode step) runs the whole stack as one cpu_ops call,
+    int8_decoder_stack, which runs each layer as int8_decoder_layer does, so the same values
+    bit for bit. Between layers the engine thread then neither pays a Python module call and
+    a dispatch nor takes the GIL, which the server's event loop wants while the step runs; any
+    other step runs the layers one by one."""
+
+    stack_args: tuple[list[torch.Tensor | None], list[torch.Tensor], list[int], list[float]]
+
+    @classmethod
+    def from_model(cls, model: TextModel) -> Int8TextModel:
+        flat = _adopt(cls, model)
+        parts = [layer.call_args for layer in model.layers if isinstance(layer, Int8DecoderLayer)]
+        assert len(parts) == len(model.layers)
+        flat.stack_args = (
+            [norm for part in parts for norm in part[0]],
+            [tensor for part in parts for tensor in part[1]],
+            [size for part in parts for size in part[2]],
+            [constant for part in parts for constant in part[3]],
+        )
+        return flat
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, step: PagedAttentionStep
+    ) -> torch.Tensor:
+        found = [step.decode_addressing(spec.index) for spec in self.arch.layers]
+        addressing = [where for where in found if where is not None]
+        if len(addressing) < len(found):
+            return super().forward(input_ids, positions, step)
+        x = self.embed_tokens(input_ids)
+        rotary = self.rotary(positions, x.dtype)
+        tables = [rotary[spec.layer_type] for spec in self.arch.layers]
+        cos, sin = [table[0] for table in tables], [table[1] for table in tables]
+        # Per layer (key pool, value pool, write slots, key slots, mask): a list of each.
+        columns = [list(column) for column in zip(*addressing, strict=True)]
+        return torch.ops.gemma_cpu.int8_decoder_stack(x, cos, sin, *columns, *self.stack_args)
+
+
 def _every_row_int8(module: nn.Module) -> PackedInt8Rows | None:
     """The cpu_ops int8 kernel state of an int8 linear that runs it at every row count."""
     if not isinstance(module, (DynamicInt8Linear, OneDNNInt8Linear)):
@@ -351,6 +397,8 @@ def _fuse_ops(model: GemmaForCausalLM, flat_layers: bool) -> None:
             fused.self_attn.o_proj.bf16_out = bf16
         flat = flat_layers and Int8DecoderLayer.supports(fused)
         layers[i] = Int8DecoderLayer.from_layer(fused) if flat else fused
+    if all(type(layer) is Int8DecoderLayer for layer in layers):
+        model.model = Int8TextModel.from_model(model.model)
 
 
 def _replace(root: nn.Module, kind: type[M], make: Callable[[M], nn.Module]) -> None:
