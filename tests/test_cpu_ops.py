@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.backends.custom import CustomBackend
-from engine.model import cpu_ops
+from engine.model import cpu_ops, huge_pages
 from engine.model.gemma import Attention, DecoderLayer, RMSNorm, TextModel, rotate
 from engine.model.int8_kernels import PackedInt8Rows
 from engine.model.optimize import (
@@ -23,6 +23,7 @@ from tests.conftest import needs_bf16
 from tests.paged_driver import PagedDriver, hf_model
 from tests.test_forward_gemma3 import gqa_config
 from tests.test_forward_gemma4 import full_featured_config
+from tests.test_huge_pages import mapping_of, needs_madvise
 
 CPU = torch.device("cpu")
 EPS = 1e-6
@@ -416,3 +417,42 @@ def test_the_flat_int8_layer_gives_its_modules_values_bit_for_bit(monkeypatch) -
     for a, b in zip(logits(flat), logits(modules), strict=True):
         assert torch.equal(a, b)
     assert stack_calls == [2, 2]  # the two pure decode steps, of two rows each
+
+
+@needs_madvise
+@pytest.mark.skipif(
+    not PackedInt8Rows.serves_every_row_count(48),
+    reason="the flat int8 layer runs where cpu_ops' int8 kernel serves every row count",
+)
+def test_the_int8_stack_reads_its_weights_from_huge_pages_with_the_same_values(
+    monkeypatch,
+) -> None:
+    """CustomBackend places what a decode step streams on huge pages (engine/model/huge_pages):
+    the int8 stack's packed weights, scales and norms, and the int8 head's packed rows, all in
+    one mapping advised MADV_HUGEPAGE, where the kernels read them; the logits are those of
+    the same backend left on PyTorch's allocator, bit for bit."""
+    config = gqa_config()
+    config.intermediate_size = 128
+    config.attn_logit_softcapping = None
+    weights = hf_model(config, seed=9).state_dict()
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 0)  # a tiny model: place it all the same
+    placed = CustomBackend(config, weights, CPU, torch.float32, 256, "int8")
+    monkeypatch.setattr(huge_pages, "ENABLED", False)
+    unplaced = CustomBackend(config, weights, CPU, torch.float32, 256, "int8")
+    stack = placed.model.model
+    assert isinstance(stack, Int8TextModel) and placed.model.fast_head is not None
+    head = placed.model.fast_head.packed_rows
+    streamed = [t for t in stack.stack_args[0] if t is not None] + stack.stack_args[1]
+    streamed += [head.tiles, head.scales, head.compensation]
+    assert {mapping_of(t)[:2] for t in streamed} == {mapping_of(head.tiles)[:2]}
+    assert "hg" in mapping_of(head.tiles)[2]
+    unplaced_head = unplaced.model.fast_head.packed_rows
+    assert "hg" not in mapping_of(unplaced_head.tiles)[2]
+
+    def logits(backend: CustomBackend) -> list[torch.Tensor]:
+        driver = PagedDriver(backend, shuffle_blocks=1)
+        steps = [{0: [5, 9, 2, 7, 1, 3, 8]}, {0: [11], 1: [4, 4, 6, 1]}, {0: [13], 1: [2]}]
+        return [out for tokens in steps for out in driver.step(tokens)[0].values()]
+
+    for a, b in zip(logits(placed), logits(unplaced), strict=True):
+        assert torch.equal(a, b)

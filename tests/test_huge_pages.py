@@ -1,9 +1,12 @@
-"""Long-lived tensors placed on huge pages keep their values, shapes and dtypes; small or opaque
-tensors stay where they are."""
+"""Long-lived tensors placed on huge pages keep their values, shapes, dtypes and identities, all
+in one mapping advised MADV_HUGEPAGE; opaque tensors, embedding tables and too little data stay
+where they are."""
 
 from __future__ import annotations
 
 import mmap
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,48 +15,94 @@ from torch import nn
 from engine.model import huge_pages
 
 needs_madvise = pytest.mark.skipif(
-    not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this system"
+    not hasattr(mmap, "MADV_HUGEPAGE") or not Path("/proc/self/smaps").exists(),
+    reason="no MADV_HUGEPAGE or /proc/self/smaps on this system",
 )
 
 
+def mapping_of(tensor: torch.Tensor) -> tuple[int, int, set[str]]:
+    """The start, end and VmFlags of the mapping of this process that holds the tensor's data,
+    read from /proc/self/smaps (`hg`: advised MADV_HUGEPAGE)."""
+    address, found = tensor.data_ptr(), None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        span = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if span:
+            start, end = int(span.group(1), 16), int(span.group(2), 16)
+            found = (start, end) if start <= address < end else None
+        elif found and line.startswith("VmFlags:"):
+            return found[0], found[1], set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+class PackedState:
+    """Stands for a packed kernel's state: a plain object with tensors and a nested object."""
+
+    def __init__(self) -> None:
+        self.tiles = torch.randn(1024, 512)  # 2 MB
+        self.scales = torch.randn(1024)
+        self.config = PlainConfig()
+
+
+class PlainConfig:
+    def __init__(self) -> None:
+        self.table = torch.randn(64)  # inside an object inside an object: not opened
+
+
 @needs_madvise
-def test_a_large_tensor_is_copied_with_its_values_and_a_small_one_is_kept() -> None:
-    large = torch.randn(1024, 1024).bfloat16()  # 2 MB
-    placed = huge_pages.place(large)
-    assert placed is not large and placed.data_ptr() != large.data_ptr()
-    assert placed.dtype == torch.bfloat16 and placed.shape == large.shape
-    assert torch.equal(placed, large)
-    small = torch.randn(16, 16)
-    assert huge_pages.place(small) is small
-    zeros = huge_pages.zeros((3, 1 << 20), torch.float32, torch.device("cpu"))
-    assert zeros.shape == (3, 1 << 20) and not zeros.any()
+def test_place_together_moves_every_tensor_into_one_huge_page_mapping() -> None:
+    tensors = [torch.randn(1024, 1024).bfloat16(), torch.arange(10), torch.randn(3, 5).t()]
+    before = [t.clone() for t in tensors]
+    pointers = [t.data_ptr() for t in tensors]
+    held = list(tensors)
+    huge_pages.place_together([*tensors, tensors[1]])  # a tensor given twice moves once
+    for tensor, old, pointer, same in zip(tensors, before, pointers, held, strict=True):
+        assert tensor is same and tensor.data_ptr() != pointer
+        assert tensor.dtype == old.dtype and tensor.shape == old.shape and torch.equal(tensor, old)
+        assert tensor.data_ptr() % huge_pages.ALIGNMENT == 0
+    mappings = {mapping_of(t)[:2] for t in tensors}
+    assert len(mappings) == 1
+    start, end, flags = mapping_of(tensors[0])
+    assert "hg" in flags
+    assert tensors[0].data_ptr() % huge_pages.HUGE_PAGE == 0  # the first on a huge page boundary
+    assert end - start >= 2 << 20
 
 
-def test_opaque_tensors_and_a_disabled_module_stay_put(monkeypatch: pytest.MonkeyPatch) -> None:
+@needs_madvise
+def test_too_little_data_opaque_tensors_and_a_disabled_module_stay_put(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    small = [torch.randn(16, 16), torch.randn(100)]
+    pointers = [t.data_ptr() for t in small]
+    huge_pages.place_together(small)  # 1.4 KB in all: below MIN_BYTES
+    assert [t.data_ptr() for t in small] == pointers
     weight = torch.randn(2048, 640)  # float32: oneDNN reorders it on any x86 CPU, bf16 not
     opaque = torch.ops.mkldnn._reorder_linear_weight(weight)  # oneDNN's packed layout
-    assert huge_pages.place(opaque) is opaque
+    huge_pages.place_together([opaque, weight])
+    assert opaque.layout == torch._mkldnn  # type: ignore[attr-defined]
+    assert "hg" in mapping_of(weight)[2]
     monkeypatch.setattr(huge_pages, "ENABLED", False)
-    assert huge_pages.place(weight) is weight
+    other = torch.randn(2048, 640)
+    pointer = other.data_ptr()
+    huge_pages.place_together([other])
+    assert other.data_ptr() == pointer
 
 
 @needs_madvise
-def test_place_module_moves_parameters_attributes_and_lists_once() -> None:
+def test_place_module_moves_what_modules_lists_and_kernel_states_hold() -> None:
     shared = nn.Linear(1024, 1024)  # a 4 MB float32 weight, held twice
     model = nn.Sequential(shared, nn.Sequential(shared), nn.Embedding(1024, 1024))
-    model.tiles = torch.randn(1024, 1024)  # a packed kernel's plain attribute
-    model.slices = [torch.randn(1024, 1024), torch.randn(1024, 1024)]
-    before = {
-        "weight": shared.weight.detach().clone(),
-        "tiles": model.tiles.clone(),
-        "slices": [s.clone() for s in model.slices],
-        "embedding": model[2].weight.data_ptr(),
-    }
-    pointers = (shared.weight.data_ptr(), model.tiles.data_ptr(), model.slices[0].data_ptr())
+    model.state = PackedState()  # type: ignore[assignment]
+    model.slices = [torch.randn(256, 256), torch.randn(256, 256)]  # type: ignore[assignment]
+    model.args = ([model.state.tiles], [torch.randn(8)])  # type: ignore[assignment]
+    moved = [shared.weight, shared.bias, model.state.tiles, model.state.scales, *model.slices]
+    moved.append(model.args[1][0])
+    before = [t.detach().clone() for t in moved]
+    kept = {"embedding": model[2].weight.data_ptr(), "table": model.state.config.table.data_ptr()}
     huge_pages.place_module(model)
-    assert torch.equal(shared.weight, before["weight"]) and model[1][0] is shared
-    assert torch.equal(model.tiles, before["tiles"])
-    assert all(torch.equal(a, b) for a, b in zip(model.slices, before["slices"], strict=True))
-    after = (shared.weight.data_ptr(), model.tiles.data_ptr(), model.slices[0].data_ptr())
-    assert all(a != b for a, b in zip(after, pointers, strict=True))
-    assert model[2].weight.data_ptr() == before["embedding"]  # embeddings are not streamed
+    assert model[1][0] is shared and model.args[0][0] is model.state.tiles
+    for tensor, old in zip(moved, before, strict=True):
+        assert torch.equal(tensor, old)
+    assert {mapping_of(t)[:2] for t in moved} == {mapping_of(moved[0])[:2]}
+    assert "hg" in mapping_of(moved[0])[2]
+    assert model[2].weight.data_ptr() == kept["embedding"]  # embeddings are not streamed
+    assert model.state.config.table.data_ptr() == kept["table"]
