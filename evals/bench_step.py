@@ -17,15 +17,17 @@ With `--neighbour-duty D` another process busy-waits D of every 4 ms throughout,
 event loop and a benchmark's client take their share of its cores: a kernel that splits its
 work in equal shares up front waits on whichever thread lost its core (csrc/parallel.h).
 
-With `--no-huge-pages` the weights and KV pools stay on the ordinary pages of PyTorch's
-allocator (engine/model/huge_pages.py).
+With `--compare-pages` a fourth engine takes its turns too: the served one (fused kernels)
+built with huge pages off, its weights and KV pools on the ordinary 4 KB pages of PyTorch's
+allocator (engine/model/huge_pages.py). In turns in one process, because this machine's memory
+bandwidth moves between runs by more than the pages' difference.
 
 The requests sample at `--temperature` (1 by default). At 0 they are greedy, and each step
 takes its tokens from the LM head's own argmax without writing the logits
 (EngineConfig.greedy_head); `--no-greedy-head` takes the logits and the sampler's argmax.
 
     python -m evals.bench_step [--users 1 16 32 64] [--rounds 8] [--output-tokens 24]
-                               [--neighbour-duty 0.3] [--no-huge-pages]
+                               [--neighbour-duty 0.3] [--compare-pages]
                                [--temperature 0] [--no-greedy-head]
 """
 
@@ -56,6 +58,7 @@ from evals.harness import token_prompt, write_results
 from evals.plots import bar_chart
 
 WAYS = ("eager ops", "fused, layer modules", "fused kernels")
+SMALL_PAGES = "fused kernels, 4 KB pages"  # --compare-pages
 
 
 def main() -> None:
@@ -65,11 +68,10 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=24)
     parser.add_argument("--neighbour-duty", type=float, default=0.0)
-    parser.add_argument("--no-huge-pages", action="store_true")
+    parser.add_argument("--compare-pages", action="store_true")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--no-greedy-head", action="store_true")
     args = parser.parse_args()
-    huge_pages.ENABLED = not args.no_huge_pages
     if not cpu_ops.available():
         raise SystemExit("the fused CPU kernels could not be built here (see the log)")
     config = EngineConfig(
@@ -80,25 +82,31 @@ def main() -> None:
         kv=KVConfig(enable_prefix_caching=False),
         greedy_head=not args.no_greedy_head,
     )
-    engines = engines_by_way(config)
+    ways = (*WAYS, SMALL_PAGES) if args.compare_pages else WAYS
+    engines = engines_by_way(config, ways)
     rng = random.Random(0)
-    steps: dict[tuple[str, int], list[float]] = {(w, n): [] for w in WAYS for n in args.users}
-    phases: dict[tuple[str, int], list[dict]] = {(w, n): [] for w in WAYS for n in args.users}
+    steps: dict[tuple[str, int], list[float]] = {(w, n): [] for w in ways for n in args.users}
+    phases: dict[tuple[str, int], list[dict]] = {(w, n): [] for w in ways for n in args.users}
     order = list(steps)
     with neighbour(args.neighbour_duty):
         run_rounds(engines, args, rng, order, steps, phases)
     ms = {key: 1000 * statistics.median(values) for key, values in steps.items()}
+    pages = " | fused kernels, 4 KB pages | huge pages saved" if args.compare_pages else ""
     lines = [
         "| N | eager ops, ms per decode step | fused, layer modules | fused kernels (as served) "
-        "| saved | tok/s eager | tok/s fused |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        f"| saved | tok/s eager | tok/s fused{pages} |",
+        "|---:|---:|---:|---:|---:|---:|---:|" + "---:|---:|" * args.compare_pages,
     ]
     for n in args.users:
         eager, modules, fused = (ms[way, n] for way in WAYS)
-        lines.append(
+        row = (
             f"| {n} | {eager:.2f} | {modules:.2f} | {fused:.2f} | {100 * (1 - fused / eager):.1f}% "
             f"| {1000 * n / eager:.1f} | {1000 * n / fused:.1f} |"
         )
+        if args.compare_pages:
+            small = ms[SMALL_PAGES, n]
+            row += f" {small:.2f} | {100 * (1 - fused / small):.1f}% |"
+        lines.append(row)
     lines += [
         "",
         "Where a fused decode step goes (mean ms per phase, engine/step_profile.py):",
@@ -113,44 +121,47 @@ def main() -> None:
     markdown = "\n".join(lines)
     print(
         f"{torch.get_num_threads()} threads, {args.rounds} rounds, "
-        f"neighbour duty {args.neighbour_duty}, huge pages {huge_pages.ENABLED}, "
+        f"neighbour duty {args.neighbour_duty}, "
         f"temperature {args.temperature}, greedy head {not args.no_greedy_head}"
     )
     print(markdown)
     path = write_results(
         "bench_step",
         {"users": args.users, "rounds": args.rounds, "prompt_tokens": args.prompt_tokens,
-         "neighbour_duty": args.neighbour_duty, "huge_pages": huge_pages.ENABLED,
+         "neighbour_duty": args.neighbour_duty, "compare_pages": args.compare_pages,
          "temperature": args.temperature, "greedy_head": not args.no_greedy_head,
          "output_tokens": args.output_tokens,
-         "decode_step_ms": {way: {str(n): ms[way, n] for n in args.users} for way in WAYS},
+         "decode_step_ms": {way: {str(n): ms[way, n] for n in args.users} for way in ways},
          "fused_phase_ms": {str(n): profile for n, profile in profiles.items()},
          "markdown": markdown},
     )  # fmt: skip
     bar_chart(
         path.with_suffix(".png"),
         "Median decode step, default weight mode",
-        {f"{way}, N={n}": ms[way, n] for n in args.users for way in WAYS},
+        {f"{way}, N={n}": ms[way, n] for n in args.users for way in ways},
         "ms per step",
     )
     print(f"wrote {path}")
 
 
-def engines_by_way(config: EngineConfig) -> dict[str, LLMEngine]:
-    """The default weight mode's engine each way (WAYS), on one loaded model."""
+def engines_by_way(config: EngineConfig, ways: tuple[str, ...]) -> dict[str, LLMEngine]:
+    """The default weight mode's engine each way (WAYS, and SMALL_PAGES where asked), on one
+    loaded model."""
     device = torch.device("cpu")
     kernel = kernel_for("auto", "fast", device)
     loaded = load_model(EMBEDDED_MODEL, torch.float32)
     config = config.with_auto_kv_cache_dtype(kernel, torch.float32)
     engines = {}
-    for way in WAYS:
+    for way in ways:
         fused = way != "eager ops"
+        huge_pages.ENABLED = way != SMALL_PAGES  # the weights and, in for_model, the KV pools
         backend = CustomBackend(
             loaded.config, loaded.state_dict, device, torch.float32, loaded.max_model_len,
-            kernel, fuse_ops=fused, flat_layers=way == "fused kernels",
+            kernel, fuse_ops=fused, flat_layers=way in ("fused kernels", SMALL_PAGES),
         )  # fmt: skip
         engines[way] = LLMEngine.for_model(loaded, backend, config)
         engines[way].runner.paged_decode = fused
+    huge_pages.ENABLED = True
     return engines
 
 

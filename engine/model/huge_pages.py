@@ -5,7 +5,7 @@ crosses a page, and may miss the TLB, every 4 KB; a tensor placed here sits in a
 mapping advised MADV_HUGEPAGE, which the kernel backs with 2 MB pages where it has them (the
 system's transparent_hugepage setting must be `madvise` or `always`). Only tensors made once and
 kept are placed here: transient ones stay with PyTorch's allocator, which reuses freed memory
-without faulting it in again. `python -m evals.bench_step --no-huge-pages` measures the
+without faulting it in again. `python -m evals.bench_step --compare-pages` measures the
 difference.
 """
 
