@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import Gemma3TextConfig
 
 from engine.backends.custom import CustomBackend
 from engine.model import cpu_ops, huge_pages
@@ -377,6 +378,26 @@ def test_row_argmax_is_torchs_first_maximum(width: int) -> None:
     )
 
 
+def flat_int8_config() -> Gemma3TextConfig:
+    """A small Gemma 3 config whose layers run as Int8DecoderLayer: no softcap, as Gemma 3 270M."""
+    config = gqa_config()
+    config.intermediate_size = 128
+    config.attn_logit_softcapping = None
+    return config
+
+
+def int8_script_logits(backend: CustomBackend) -> list[torch.Tensor]:
+    """The logits of a prefill, a mixed step and two pure decode steps of two rows each."""
+    driver = PagedDriver(backend, shuffle_blocks=1)
+    steps = [
+        {0: [5, 9, 2, 7, 1, 3, 8]},
+        {0: [11], 1: [4, 4, 6, 1]},
+        {0: [13], 1: [2]},
+        {0: [7], 1: [9]},
+    ]
+    return [out for tokens in steps for out in driver.step(tokens)[0].values()]
+
+
 @pytest.mark.skipif(
     not PackedInt8Rows.serves_every_row_count(48),
     reason="the flat int8 layer runs where cpu_ops' int8 kernel serves every row count",
@@ -386,9 +407,7 @@ def test_the_flat_int8_layer_gives_its_modules_values_bit_for_bit(monkeypatch) -
     mixed step and decode steps (its direct paged-decode path, the whole stack in one call:
     Int8TextModel) give the same logits as the same layers run through their modules
     (FusedDecoderLayer, flat_layers=False), bit for bit."""
-    config = gqa_config()
-    config.intermediate_size = 128
-    config.attn_logit_softcapping = None  # as Gemma 3 270M: the flat layer has no softcap
+    config = flat_int8_config()
     weights = hf_model(config, seed=5).state_dict()
     flat = CustomBackend(config, weights, CPU, torch.float32, 256, "int8")
     modules = CustomBackend(config, weights, CPU, torch.float32, 256, "int8", flat_layers=False)
@@ -404,17 +423,7 @@ def test_the_flat_int8_layer_gives_its_modules_values_bit_for_bit(monkeypatch) -
 
     monkeypatch.setattr(torch.ops.gemma_cpu, "int8_decoder_stack", counted)
 
-    def logits(backend: CustomBackend) -> list[torch.Tensor]:
-        driver = PagedDriver(backend, shuffle_blocks=1)
-        steps = [
-            {0: [5, 9, 2, 7, 1, 3, 8]},
-            {0: [11], 1: [4, 4, 6, 1]},
-            {0: [13], 1: [2]},
-            {0: [7], 1: [9]},
-        ]
-        return [out for tokens in steps for out in driver.step(tokens)[0].values()]
-
-    for a, b in zip(logits(flat), logits(modules), strict=True):
+    for a, b in zip(int8_script_logits(flat), int8_script_logits(modules), strict=True):
         assert torch.equal(a, b)
     assert stack_calls == [2, 2]  # the two pure decode steps, of two rows each
 
@@ -431,9 +440,7 @@ def test_the_int8_stack_reads_its_weights_from_huge_pages_with_the_same_values(
     the int8 stack's packed weights, scales and norms, and the int8 head's packed rows, all in
     one mapping advised MADV_HUGEPAGE, where the kernels read them; the logits are those of
     the same backend left on PyTorch's allocator, bit for bit."""
-    config = gqa_config()
-    config.intermediate_size = 128
-    config.attn_logit_softcapping = None
+    config = flat_int8_config()
     weights = hf_model(config, seed=9).state_dict()
     monkeypatch.setattr(huge_pages, "MIN_BYTES", 0)  # a tiny model: place it all the same
     placed = CustomBackend(config, weights, CPU, torch.float32, 256, "int8")
@@ -448,11 +455,5 @@ def test_the_int8_stack_reads_its_weights_from_huge_pages_with_the_same_values(
     assert "hg" in mapping_of(head.tiles)[2]
     unplaced_head = unplaced.model.fast_head.packed_rows
     assert "hg" not in mapping_of(unplaced_head.tiles)[2]
-
-    def logits(backend: CustomBackend) -> list[torch.Tensor]:
-        driver = PagedDriver(backend, shuffle_blocks=1)
-        steps = [{0: [5, 9, 2, 7, 1, 3, 8]}, {0: [11], 1: [4, 4, 6, 1]}, {0: [13], 1: [2]}]
-        return [out for tokens in steps for out in driver.step(tokens)[0].values()]
-
-    for a, b in zip(logits(placed), logits(unplaced), strict=True):
+    for a, b in zip(int8_script_logits(placed), int8_script_logits(unplaced), strict=True):
         assert torch.equal(a, b)

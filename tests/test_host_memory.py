@@ -12,6 +12,7 @@ import pytest
 from engine.host_memory import HeapTrimmer, keep_step_memory
 from tests.conftest import RunningServer
 from tests.sched_driver import FakeClock
+from tests.test_huge_pages import mappings
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -30,21 +31,6 @@ def test_trims_on_going_idle_and_every_interval_of_busy_time():
     assert trimmer.trims == 2  # once per transition to idle
 
 
-def _advised_mappings(pid: int) -> list[dict[str, int]]:
-    """Rss and AnonHugePages (kB) of each of the process's mappings advised MADV_HUGEPAGE."""
-    mappings: list[dict[str, int]] = []
-    current: dict[str, int] = {}
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        field = line.split()
-        if field[0] in ("Rss:", "AnonHugePages:"):
-            current[field[0].rstrip(":")] = int(field[1])
-        elif field[0] == "VmFlags:":
-            if "hg" in field[1:]:
-                mappings.append(current)
-            current = {}
-    return mappings
-
-
 @pytest.mark.skipif(
     not THP_SETTING.exists() or "[never]" in THP_SETTING.read_text(),
     reason="this kernel has no transparent huge pages",
@@ -57,9 +43,9 @@ def test_the_server_holds_its_weights_on_huge_pages(server: RunningServer) -> No
     + 4,096) + (1,024 + 2,048) x 640 bytes each; bf16 layers are twice that). That the decode
     step's own tensors are among them, tests/test_cpu_ops.py checks on a CustomBackend."""
     weights_kb = (262_144 * 640 + 18 * (640 * (1_536 + 4_096) + (1_024 + 2_048) * 640)) // 1024
-    advised = [m for m in _advised_mappings(server.process.pid) if m.get("Rss", 0) > 4096]
-    assert sum(m["Rss"] for m in advised) >= weights_kb, advised
-    assert all(m["AnonHugePages"] >= 0.9 * m["Rss"] for m in advised), advised
+    advised = [m for m in mappings(server.process.pid) if "hg" in m.flags and m.rss_kb > 4096]
+    assert sum(m.rss_kb for m in advised) >= weights_kb, advised
+    assert all(m.huge_kb >= 0.9 * m.rss_kb for m in advised), advised
 
 
 @pytest.mark.skipif(

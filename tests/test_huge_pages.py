@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,17 +21,39 @@ needs_madvise = pytest.mark.skipif(
 )
 
 
-def mapping_of(tensor: torch.Tensor) -> tuple[int, int, set[str]]:
-    """The start, end and VmFlags of the mapping of this process that holds the tensor's data,
-    read from /proc/self/smaps (`hg`: advised MADV_HUGEPAGE)."""
-    address, found = tensor.data_ptr(), None
-    for line in Path("/proc/self/smaps").read_text().splitlines():
+@dataclass(frozen=True)
+class Mapping:
+    """One mapping of a process, as /proc/PID/smaps lists it (sizes in kB)."""
+
+    start: int
+    end: int
+    flags: frozenset[str]  # VmFlags; `hg`: advised MADV_HUGEPAGE
+    rss_kb: int
+    huge_kb: int  # AnonHugePages
+
+
+def mappings(pid: int | str = "self") -> list[Mapping]:
+    """Every mapping of the process, from /proc/PID/smaps."""
+    found, fields = [], {}
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         span = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
         if span:
-            start, end = int(span.group(1), 16), int(span.group(2), 16)
-            found = (start, end) if start <= address < end else None
-        elif found and line.startswith("VmFlags:"):
-            return found[0], found[1], set(line.split()[1:])
+            fields = {"start": int(span.group(1), 16), "end": int(span.group(2), 16)}
+        elif line.startswith(("Rss:", "AnonHugePages:")):
+            name = "rss_kb" if line.startswith("Rss:") else "huge_kb"
+            fields[name] = int(line.split()[1])
+        elif line.startswith("VmFlags:"):
+            found.append(Mapping(flags=frozenset(line.split()[1:]), **fields))
+    return found
+
+
+def mapping_of(tensor: torch.Tensor) -> tuple[int, int, set[str]]:
+    """The start, end and VmFlags of the mapping of this process that holds the tensor's data
+    (`hg`: advised MADV_HUGEPAGE)."""
+    address = tensor.data_ptr()
+    for m in mappings():
+        if m.start <= address < m.end:
+            return m.start, m.end, set(m.flags)
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
