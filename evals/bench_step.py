@@ -17,6 +17,11 @@ With `--neighbour-duty D` another process busy-waits D of every 4 ms throughout,
 event loop and a benchmark's client take their share of its cores: a kernel that splits its
 work in equal shares up front waits on whichever thread lost its core (csrc/parallel.h).
 
+With `--ops`, after the rounds, the served engine's decode steps run once more per N under
+torch.profiler: each op's calls and self CPU time per step (the registered gemma_cpu kernels
+that a fused layer stack calls in turn among them), so a step's time splits by kernel. The
+profiler adds about a microsecond to every op call it records.
+
 With `--compare-pages` a fourth engine takes its turns too: the served one (fused kernels)
 built with huge pages off, its weights and KV pools on the ordinary 4 KB pages of PyTorch's
 allocator (engine/model/huge_pages.py). In turns in one process, because this machine's memory
@@ -28,7 +33,7 @@ takes its tokens from the LM head's own argmax without writing the logits
 
     python -m evals.bench_step [--users 1 16 32 64] [--rounds 8] [--output-tokens 24]
                                [--neighbour-duty 0.3] [--compare-pages]
-                               [--temperature 0] [--no-greedy-head]
+                               [--temperature 0] [--no-greedy-head] [--ops]
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ def main() -> None:
     parser.add_argument("--compare-pages", action="store_true")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--no-greedy-head", action="store_true")
+    parser.add_argument("--ops", action="store_true", help="a per-op profile of decode steps")
     args = parser.parse_args()
     if not cpu_ops.available():
         raise SystemExit("the fused CPU kernels could not be built here (see the log)")
@@ -118,6 +124,21 @@ def main() -> None:
     for n, profile in profiles.items():
         cells = " | ".join(f"{profile[phase]:.2f}" for phase in PHASES)
         lines.append(f"| {n} | {cells} | {sum(profile.values()):.2f} |")
+    served = engines["fused kernels"]
+    ops = {n: op_profile(served, n, args, rng) for n in args.users} if args.ops else {}
+    for n, table in ops.items():
+        lines += [
+            "",
+            f"Ops of a fused decode step at N={n} (torch.profiler, self CPU, per step):",
+            "",
+            "| op | calls | ms | share |",
+            "|---|---:|---:|---:|",
+        ]
+        total = sum(ms for _, ms in table.values())
+        lines += [
+            f"| {name} | {calls:.3g} | {ms:.3f} | {100 * ms / total:.1f}% |"
+            for name, (calls, ms) in list(table.items())[:OP_ROWS]
+        ]
     markdown = "\n".join(lines)
     print(
         f"{torch.get_num_threads()} threads, {args.rounds} rounds, "
@@ -133,6 +154,7 @@ def main() -> None:
          "output_tokens": args.output_tokens,
          "decode_step_ms": {way: {str(n): ms[way, n] for n in args.users} for way in ways},
          "fused_phase_ms": {str(n): profile for n, profile in profiles.items()},
+         "op_calls_and_ms_per_step": {str(n): table for n, table in ops.items()},
          "markdown": markdown},
     )  # fmt: skip
     bar_chart(
@@ -230,6 +252,37 @@ def decode_steps(
         times.append(time.perf_counter() - start)
     summary = engine.profile.summary()["phases"]
     return times, {phase: summary[phase]["ms"] for phase in PHASES}
+
+
+OP_ROWS = 12  # ops listed per N (the JSON keeps them all)
+
+
+def op_profile(
+    engine: LLMEngine, users: int, args: argparse.Namespace, rng: random.Random
+) -> dict[str, tuple[float, float]]:
+    """op name -> (calls, self CPU ms) per decode step, over the steps of one turn of `users`
+    requests after every prompt is in (decode steps alone), under torch.profiler, most time
+    first."""
+    prompts = [token_prompt(engine.tokenizer, rng, args.prompt_tokens) for _ in range(users)]
+    params = SamplingParams(
+        max_tokens=args.output_tokens, ignore_eos=True, temperature=args.temperature
+    )
+    seqs = [Sequence(list(prompt), params) for prompt in prompts]
+    for seq in seqs:
+        engine.add(seq)
+    while any(seq.num_output_tokens == 0 for seq in seqs):
+        engine.step()  # the prefills (a step's prefill group may not take them all): not profiled
+    steps = 0
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        while engine.has_work:
+            engine.step()
+            steps += 1
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    return {
+        e.key: (e.count / steps, e.self_cpu_time_total / 1000 / steps)
+        for e in events
+        if e.self_cpu_time_total > 0
+    }
 
 
 def mean_phases(profiles: list[dict[str, float]]) -> dict[str, float]:

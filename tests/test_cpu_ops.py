@@ -451,9 +451,9 @@ def test_the_int8_stack_reads_its_weights_from_huge_pages_with_the_same_values(
     head = placed.model.fast_head.packed_rows
     streamed = [t for t in stack.stack_args[0] if t is not None] + stack.stack_args[1]
     streamed += [head.tiles, head.scales, head.compensation]
-    assert {mapping_of(t)[:2] for t in streamed} == {mapping_of(head.tiles)[:2]}
-    assert "hg" in mapping_of(head.tiles)[2]
+    assert {mapping_of(t).span for t in streamed} == {mapping_of(head.tiles).span}
+    assert "hg" in mapping_of(head.tiles).flags
     unplaced_head = unplaced.model.fast_head.packed_rows
-    assert "hg" not in mapping_of(unplaced_head.tiles)[2]
+    assert "hg" not in mapping_of(unplaced_head.tiles).flags
     for a, b in zip(int8_script_logits(placed), int8_script_logits(unplaced), strict=True):
         assert torch.equal(a, b)

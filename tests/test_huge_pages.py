@@ -31,6 +31,11 @@ class Mapping:
     rss_kb: int
     huge_kb: int  # AnonHugePages
 
+    @property
+    def span(self) -> tuple[int, int]:
+        """Which mapping it is, whatever its sizes read at the time."""
+        return self.start, self.end
+
 
 def mappings(pid: int | str = "self") -> list[Mapping]:
     """Every mapping of the process, from /proc/PID/smaps."""
@@ -47,13 +52,12 @@ def mappings(pid: int | str = "self") -> list[Mapping]:
     return found
 
 
-def mapping_of(tensor: torch.Tensor) -> tuple[int, int, set[str]]:
-    """The start, end and VmFlags of the mapping of this process that holds the tensor's data
-    (`hg`: advised MADV_HUGEPAGE)."""
+def mapping_of(tensor: torch.Tensor) -> Mapping:
+    """The mapping of this process that holds the tensor's data."""
     address = tensor.data_ptr()
     for m in mappings():
         if m.start <= address < m.end:
-            return m.start, m.end, set(m.flags)
+            return m
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
@@ -82,12 +86,12 @@ def test_place_together_moves_every_tensor_into_one_huge_page_mapping() -> None:
         assert tensor is same and tensor.data_ptr() != pointer
         assert tensor.dtype == old.dtype and tensor.shape == old.shape and torch.equal(tensor, old)
         assert tensor.data_ptr() % huge_pages.ALIGNMENT == 0
-    mappings = {mapping_of(t)[:2] for t in tensors}
-    assert len(mappings) == 1
-    start, end, flags = mapping_of(tensors[0])
-    assert "hg" in flags
+    spans = {mapping_of(t).span for t in tensors}
+    assert len(spans) == 1
+    first = mapping_of(tensors[0])
+    assert "hg" in first.flags
     assert tensors[0].data_ptr() % huge_pages.HUGE_PAGE == 0  # the first on a huge page boundary
-    assert end - start >= 2 << 20
+    assert first.end - first.start >= 2 << 20
 
 
 @needs_madvise
@@ -102,7 +106,7 @@ def test_too_little_data_opaque_tensors_and_a_disabled_module_stay_put(
     opaque = torch.ops.mkldnn._reorder_linear_weight(weight)  # oneDNN's packed layout
     huge_pages.place_together([opaque, weight])
     assert opaque.layout == torch._mkldnn  # type: ignore[attr-defined]
-    assert "hg" in mapping_of(weight)[2]
+    assert "hg" in mapping_of(weight).flags
     monkeypatch.setattr(huge_pages, "ENABLED", False)
     other = torch.randn(2048, 640)
     pointer = other.data_ptr()
@@ -125,7 +129,7 @@ def test_place_module_moves_what_modules_lists_and_kernel_states_hold() -> None:
     assert model[1][0] is shared and model.args[0][0] is model.state.tiles
     for tensor, old in zip(moved, before, strict=True):
         assert torch.equal(tensor, old)
-    assert {mapping_of(t)[:2] for t in moved} == {mapping_of(moved[0])[:2]}
-    assert "hg" in mapping_of(moved[0])[2]
+    assert {mapping_of(t).span for t in moved} == {mapping_of(moved[0]).span}
+    assert "hg" in mapping_of(moved[0]).flags
     assert model[2].weight.data_ptr() == kept["embedding"]  # embeddings are not streamed
     assert model.state.config.table.data_ptr() == kept["table"]
