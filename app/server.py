@@ -13,6 +13,7 @@ from app.settings import Settings
 from compat.structured import JsonStyle
 from engine.async_engine import AsyncEngine
 from engine.build import build_engine
+from engine.host_memory import freeze_startup_objects
 from engine.metrics import ServingMetrics
 
 log = structlog.get_logger(__name__)
@@ -79,6 +80,8 @@ def build_server_state(settings: Settings, created: int) -> ServerState:
         settings.RESPONSES_IDLE_S,
         release_pin=async_engine.end_session,  # a chain's latest response gone: its KV pin too
     )
+    frozen = freeze_startup_objects()  # the loaded model's objects, out of every GC walk
+    log.debug("startup objects frozen", objects=frozen)
     return ServerState(
         settings, async_engine, service, async_engine.metrics, info.model_id, created,
         ResponsesService(service, store),
