@@ -93,11 +93,11 @@ def freeze_startup_objects() -> int:
     """Collect once, then move every object the process holds into the collector's permanent
     generation (gc.freeze), where collections no longer walk it; returns how many moved.
 
-    Loading the model, its tokenizer and the server leaves a few hundred thousand Python
-    objects that live as long as the process. A full collection walks every one of them while
+    Loading the model, its tokenizer and the server leaves most of the process's Python
+    objects, and they live as long as it does. A full collection walks every one of them while
     holding the GIL, so the engine thread, and every stream with it, stalls for the whole
-    walk; serving's own garbage triggers one every minute or so. Frozen, they are out of
-    every later walk. Call once, when startup is done. `python -m evals.gc_pause` times a full
+    walk; serving's own garbage sets one off from time to time. Frozen, they are out of every
+    later walk. Call once, when startup is done. `python -m evals.gc_pause` times a full
     collection of a loaded engine's process with and without."""
     gc.collect()
     gc.freeze()

@@ -8,7 +8,7 @@ modules (optimize's flat_layers=False: only where WEIGHTS=auto runs int8 on cpu_
 which Int8DecoderLayer calls directly; elsewhere the two engines are alike); or eager ops with
 gathered K/V and PyTorch's fused attention. A
 turn sends N requests of `--prompt-tokens` distinct token ids for `--output-tokens` tokens (EOS
-ignored) and times every engine step after the prefill: whole decode steps, scheduler and
+ignored) and times every engine step once every prompt is in: whole decode steps, scheduler and
 sampler included, as a server runs them, and where a fused step's time goes by phase
 (engine/step_profile.py). Every round runs each (way, N) once in a shuffled order, so the
 machine's drift hits both alike; the figure is the median decode step over all rounds.
@@ -236,14 +236,24 @@ def neighbour(duty: float) -> Iterator[None]:
         process.wait()
 
 
+def prefill(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> None:
+    """Add a request per prompt and step until each has its first token: a step prefills one
+    prefill group of them (PREFILL_GROUP_TOKENS), so from 5 prompts of 128 tokens on, the first
+    steps mix prompts with the decoding of those before them. The steps after are decode steps
+    alone."""
+    seqs = [Sequence(list(prompt), params) for prompt in prompts]
+    for seq in seqs:
+        engine.add(seq)
+    while any(seq.num_output_tokens == 0 for seq in seqs):
+        engine.step()
+
+
 def decode_steps(
     engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
 ) -> tuple[list[float], dict[str, float]]:
-    """Add a request per prompt, run the step that prefills them, then time every decode step
+    """Add a request per prompt, run the steps that prefill them, then time every decode step
     to the end; returns their seconds and the mean ms of each phase over them."""
-    for prompt in prompts:
-        engine.add(Sequence(list(prompt), params))
-    engine.step()  # the prefill (the budget covers every prompt)
+    prefill(engine, prompts, params)
     engine.profile = StepProfile()
     times = []
     while engine.has_work:
@@ -267,11 +277,7 @@ def op_profile(
     params = SamplingParams(
         max_tokens=args.output_tokens, ignore_eos=True, temperature=args.temperature
     )
-    seqs = [Sequence(list(prompt), params) for prompt in prompts]
-    for seq in seqs:
-        engine.add(seq)
-    while any(seq.num_output_tokens == 0 for seq in seqs):
-        engine.step()  # the prefills (a step's prefill group may not take them all): not profiled
+    prefill(engine, prompts, params)
     steps = 0
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         while engine.has_work:
