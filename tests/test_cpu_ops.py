@@ -286,6 +286,28 @@ def test_store_kv_equals_index_copy_of_the_cast_rows(pool_dtype, value_dtype) ->
         cpu_ops.store_kv(pools[0], pools[1], torch.tensor([32]), keys[:1], values[:1])
 
 
+def test_store_kv_rounds_model_width_rows_to_bfloat16_bit_for_bit_as_the_cast() -> None:
+    """Rows as wide as the model's (one KV head of 256, whole 64-byte lines: where AVX-512 has
+    the kernel round with integer ops and stream the lines), with rounding ties either way,
+    denormals, infinities and NaN among them: the pool's bits are the cast's, NaN as c10's
+    scalar conversion writes it (0x7FC0; PyTorch's vectorized cast writes another NaN)."""
+    generator = torch.Generator().manual_seed(11)
+    rows = torch.randn(6, 1, 256, generator=generator)
+    rows.view(torch.int32)[0, 0, :4] = torch.tensor(
+        [0x3F808000, 0x3F818000, 0x00000001, 0x807FFFFF - (1 << 32)], dtype=torch.int32
+    )  # a tie rounding down to even, one rounding up to even, two denormals
+    rows[1, 0, :3] = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    rows[2] *= 1e-39  # all denormal
+    slots = torch.tensor([40, 3, 17, 62, 0, 25])
+    pools = [torch.zeros(64, 1, 256, dtype=torch.bfloat16) for _ in range(2)]
+    cpu_ops.store_kv(pools[0], pools[1], slots, rows, rows * -2)
+    for pool, stored in zip(pools, (rows, rows * -2), strict=True):
+        cast = stored.to(torch.bfloat16).view(torch.int16)
+        cast[stored.isnan()] = 0x7FC0
+        expected = torch.zeros_like(pool).index_copy_(0, slots, cast.view(torch.bfloat16))
+        assert torch.equal(pool.view(torch.int16), expected.view(torch.int16))
+
+
 def fused_flags(backend: CustomBackend) -> set[bool]:
     """Whether each norm, attention and layer runs the fused CPU kernels."""
     fused = FusedRMSNorm | CpuOpsAttention | FusedDecoderLayer

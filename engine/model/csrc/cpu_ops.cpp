@@ -23,6 +23,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -715,6 +716,32 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   return out;
 }
 
+#if defined(__AVX512F__)
+// 16 floats rounded to bfloat16 as c10::BFloat16(float) rounds them: to nearest even, NaN to
+// 0x7FC0 (AVX512-BF16's conversion would flush denormals to zero).
+inline __m256i round_to_bfloat16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
+}
+
+// A float32 row of `width` (a multiple of 32) written to `to` (64-byte aligned) as bfloat16 with
+// streaming stores: a whole line at a time straight to memory, without first reading the line
+// for ownership as a cached store must. A new token's row lands in a line nothing has cached,
+// and a step's rows are scattered over the pools, so cached stores waited on those reads.
+inline void stream_bfloat16_row(const float* from, c10::BFloat16* to, int64_t width) {
+  for (int64_t i = 0; i < width; i += 32) {
+    const __m256i low = round_to_bfloat16(_mm512_loadu_ps(from + i));
+    const __m256i high = round_to_bfloat16(_mm512_loadu_ps(from + i + 16));
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(to + i),
+                        _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1));
+  }
+}
+#endif
+
 // A layer's new keys and values written into its pools at `slots`: pool[slots[n]] = rows[n],
 // rounded to the pool's dtype to nearest even as a cast rounds, so the pools hold what
 // index_copy_ of the cast rows would, in one op instead of four. keys and values [N, Hkv, D]
@@ -750,11 +777,22 @@ void store_kv(at::Tensor& key_pool, at::Tensor& value_pool, const at::Tensor& sl
       for (int64_t n = 0; n < rows; ++n) {
         const in_t* from = src + n * stride;
         out_t* to = dst + slot[n] * width;
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<in_t, float> && std::is_same_v<out_t, c10::BFloat16>) {
+          if (width % 32 == 0 && reinterpret_cast<uintptr_t>(to) % 64 == 0) {
+            stream_bfloat16_row(from, to, width);
+            continue;
+          }
+        }
+#endif
         for (int64_t i = 0; i < width; ++i) {
           to[i] = static_cast<out_t>(static_cast<float>(from[i]));
         }
       }
     });
+#if defined(__AVX512F__)
+    _mm_sfence();  // the streamed rows visible before any later load of them
+#endif
   };
   store(key_pool, keys, "keys");
   store(value_pool, values, "values");
